@@ -1,0 +1,1 @@
+"""Ballast front door: the FastAPI control plane and the `ballast` CLI."""

@@ -1,0 +1,1 @@
+"""Ballast control-plane core: recipe schema, settings, SQL store, scheduling and recovery policy."""

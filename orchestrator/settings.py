@@ -1,0 +1,100 @@
+"""One settings class for the whole service (env prefix ``BALLAST_``)."""
+
+from __future__ import annotations
+
+import os
+from enum import StrEnum
+from functools import lru_cache
+from pathlib import Path
+
+from pydantic import Field, SecretStr, field_validator, model_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+
+class AuthMode(StrEnum):
+    off = "off"
+    token = "token"
+
+
+class Settings(BaseSettings):
+    """Service configuration. Every field can be set as ``BALLAST_<NAME>`` in the environment."""
+
+    model_config = SettingsConfigDict(env_prefix="BALLAST_", extra="ignore")
+
+    home: Path = Field(default=Path(".ballast"), description="Directory for local state (SQLite file, checkpoints).")
+    database_url: str = Field(
+        default="",
+        description="SQLAlchemy URL. Empty means a SQLite file `<home>/ballast.db` in WAL mode. "
+        "`postgresql://` and `postgres://` are normalised to the psycopg 3 driver.",
+    )
+    checkpoint_root: str = Field(
+        default="",
+        description="Where attempts store checkpoints: a local path or a URI such as s3://bucket/prefix. "
+        "Empty means `<home>/checkpoints`.",
+    )
+    ray_address: str | None = Field(
+        default=None,
+        description="Address of an existing Ray cluster. Unset: RAY_ADDRESS if set, else a local Ray.",
+    )
+    ray_num_cpus: int | None = Field(default=None, ge=1, description="CPUs for a local Ray (default: all).")
+    max_recipe_bytes: int = Field(
+        default=256 * 1024, ge=1024, le=16 * 1024 * 1024, description="Largest recipe document accepted."
+    )
+    max_concurrent_runs: int = Field(default=2, ge=1, description="Runs the scheduler keeps active at once.")
+    scheduler_poll_seconds: float = Field(default=0.5, gt=0, le=60, description="Scheduler claim/drain period.")
+    auth_mode: AuthMode = Field(
+        default=AuthMode.off, description="`off` (allowed only on a loopback bind) or `token` (bearer API tokens)."
+    )
+    bind_host: str = Field(default="127.0.0.1", description="Address `ballast serve` binds to.")
+    bind_port: int = Field(default=8420, ge=1, le=65535, description="Port `ballast serve` binds to.")
+    token_pepper: SecretStr = Field(
+        default=SecretStr("ballast-local-pepper"),
+        description="Secret mixed into stored token hashes. Must be changed outside local mode.",
+    )
+    allowed_import_modules: list[str] = Field(
+        default_factory=list,
+        description="Module prefixes a recipe may name in `module:function` import strings (empty: none).",
+    )
+    metrics_every_steps: int = Field(
+        default=1, ge=1, description="Downsampling of per-step metrics written to the store (1 = every step)."
+    )
+
+    @field_validator("database_url")
+    @classmethod
+    def _normalise_url(cls, v: str) -> str:
+        v = v.strip()
+        for prefix in ("postgres://", "postgresql://"):
+            if v.startswith(prefix):
+                return "postgresql+psycopg://" + v[len(prefix) :]
+        return v
+
+    @model_validator(mode="after")
+    def _fill_defaults(self) -> Settings:
+        if not self.database_url:
+            self.database_url = f"sqlite:///{(self.home / 'ballast.db').as_posix()}"
+        if not self.checkpoint_root:
+            self.checkpoint_root = str((self.home / "checkpoints").resolve())
+        if self.ray_address is None:
+            self.ray_address = os.environ.get("RAY_ADDRESS") or None
+        return self
+
+    @property
+    def is_loopback(self) -> bool:
+        return self.bind_host in {"127.0.0.1", "localhost", "::1"}
+
+    def check_serving_safety(self) -> None:
+        """Refuse insecure settings outside local mode (a loopback bind)."""
+        if self.is_loopback:
+            return
+        if self.auth_mode is AuthMode.off:
+            raise ValueError(
+                f"BALLAST_AUTH_MODE=off is only allowed on a loopback bind, not {self.bind_host!r}; "
+                "set BALLAST_AUTH_MODE=token"
+            )
+        if self.token_pepper.get_secret_value() == "ballast-local-pepper":
+            raise ValueError("BALLAST_TOKEN_PEPPER must be set to a secret value outside local mode")
+
+
+@lru_cache(maxsize=1)
+def get_settings() -> Settings:
+    return Settings()

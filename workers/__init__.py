@@ -1,0 +1,1 @@
+"""Ballast worker engine: the guarded training loop that applies a stability recipe."""
