@@ -24,8 +24,8 @@ from pydantic import (
     model_validator,
 )
 
-API_VERSION = "ballast/v1"
-KIND = "StabilityRecipe"
+API_VERSION: Literal["ballast/v1"] = "ballast/v1"
+KIND: Literal["StabilityRecipe"] = "StabilityRecipe"
 DEFAULT_MAX_RECIPE_BYTES = 256 * 1024
 _IMPORT_RE = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")
 
@@ -435,8 +435,9 @@ class VanishingDetector(_Section):
     patience: int = Field(default=20, ge=1)
     """Consecutive steps below the floor needed to fire."""
     depth_slope_threshold: float = Field(default=-0.5, lt=0.0)
-    """Diagnose 'vanishing with depth' when the fitted slope of ln(layer norm) per layer (input→output
-    order, so decay towards the input is a positive slope read backwards) is below this."""
+    """Diagnose 'vanishing with depth' when the least-squares slope of ln(layer grad norm) per layer, measured
+    from the output layer back toward the input (the way gradients flow), is below this: negative means the
+    norms shrink toward the input; -0.5 is each layer about 0.6x the one above it."""
     warmup_steps: int = Field(default=10, ge=0)
     """Steps before the detector may fire."""
 
@@ -629,6 +630,14 @@ Fault = Annotated[
 
 
 # -------------------------------------------------------------------------------------------------- recipe
+class CrossFieldErrors(ValueError):
+    """Raised by ``Recipe``'s cross-field checks: keeps each (field path, message) pair apart."""
+
+    def __init__(self, errors: list[tuple[str, str]]) -> None:
+        self.errors = errors
+        super().__init__("; ".join(f"{path}: {msg}" for path, msg in errors))
+
+
 class Recipe(_Section):
     """A Ballast stability recipe (``apiVersion: ballast/v1``, ``kind: StabilityRecipe``)."""
 
@@ -675,21 +684,21 @@ class Recipe(_Section):
         max_steps = self.training.max_steps
         warmup = self.schedule.resolved_warmup_steps(max_steps)
         if warmup >= max_steps:
-            errors.append(
-                ("schedule.warmup_steps", f"warmup ({warmup} steps) must be shorter than training.max_steps ({max_steps})")
-            )
+            msg = f"warmup ({warmup} steps) must be shorter than training.max_steps ({max_steps})"
+            errors.append(("schedule.warmup_steps", msg))
         allowed = _COMPATIBLE_DATA.get(self.model.name)
         if allowed is not None and self.data.name not in allowed and self.data.name != "custom":
-            errors.append(("data.name", f"model {self.model.name!r} needs data {sorted(allowed)}, got {self.data.name!r}"))
+            msg = f"model {self.model.name!r} needs data {sorted(allowed)}, got {self.data.name!r}"
+            errors.append(("data.name", msg))
         if isinstance(self.model, TinyGPTModel) and isinstance(self.data, MarkovData):
             if self.data.vocab_size != self.model.vocab_size:
-                errors.append(
-                    ("data.vocab_size", f"must equal model.vocab_size ({self.model.vocab_size}), got {self.data.vocab_size}")
-                )
+                msg = f"must equal model.vocab_size ({self.model.vocab_size}), got {self.data.vocab_size}"
+                errors.append(("data.vocab_size", msg))
             if self.data.seq_len > self.model.context:
                 errors.append(("data.seq_len", f"must not exceed model.context ({self.model.context})"))
         if self.distributed.compression is Compression.bf16 and not self.resources.use_gpu:
-            errors.append(("distributed.compression", "bf16 compression needs NCCL (resources.use_gpu: true); gloo cannot"))
+            msg = "bf16 compression needs NCCL (resources.use_gpu: true); gloo cannot"
+            errors.append(("distributed.compression", msg))
         if self.resources.use_gpu and self.resources.gpus_per_worker <= 0:
             errors.append(("resources.gpus_per_worker", "must be > 0 when resources.use_gpu is true"))
         for i, fault in enumerate(self.faults):
@@ -698,7 +707,7 @@ class Recipe(_Section):
             if fault.rank is not None and fault.rank >= self.resources.num_workers:
                 errors.append((f"faults.{i}.rank", f"rank {fault.rank} >= resources.num_workers"))
         if errors:
-            raise ValueError("; ".join(f"{path}: {msg}" for path, msg in errors))
+            raise CrossFieldErrors(errors)
         return self
 
     def warnings(self) -> list[str]:
@@ -749,7 +758,7 @@ class _NoAliasLoader(yaml.SafeLoader):
 
     def compose_node(self, parent: Any, index: Any) -> Any:
         if self.check_event(yaml.AliasEvent):
-            event = self.peek_event()
+            event = self.peek_event()  # type: ignore[no-untyped-call]
             raise yaml.constructor.ConstructorError(
                 None, None, "YAML aliases are not allowed in recipes", event.start_mark
             )
@@ -802,10 +811,10 @@ def _errors_from_validation(exc: ValidationError, root: Any) -> list[FieldError]
         msg = err["msg"]
         if msg.startswith("Value error, "):
             msg = msg[len("Value error, ") :]
-        if not loc and ": " in msg:
-            # cross-field errors carry their own paths: "schedule.warmup_steps: ...; data.name: ..."
-            for piece in msg.split("; "):
-                path, _, m = piece.partition(": ")
+        cross = (err.get("ctx") or {}).get("error")
+        if not loc and isinstance(cross, CrossFieldErrors):
+            # cross-field errors carry their own paths (messages may contain "; " or ": " themselves)
+            for path, m in cross.errors:
                 parts = tuple(int(p) if p.isdigit() else p for p in path.split("."))
                 out.append(FieldError(path, m, _line_of(root, parts) if root is not None else None))
             continue

@@ -51,6 +51,16 @@ def drop_pg_database(url: str) -> None:
     admin.dispose()
 
 
+@pytest.fixture(autouse=True, scope="session")
+def _one_torch_thread() -> None:
+    """Tiny models run 10-50x slower on a shared 2-core machine when torch spreads each op over threads."""
+    try:
+        import torch
+    except ImportError:  # pragma: no cover - torch is a hard dependency
+        return
+    torch.set_num_threads(1)
+
+
 @pytest.fixture(params=BACKEND_PARAMS)
 def backend(request: pytest.FixtureRequest) -> str:
     return str(request.param)

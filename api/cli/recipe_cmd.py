@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import sys
 from pathlib import Path
+from typing import Any
 
 import typer
 
@@ -23,7 +24,7 @@ def validate(
 ) -> None:
     """Validate recipe files. Exit code 2 if any is invalid; each error names the field (and line)."""
     settings = get_settings()
-    results = []
+    results: list[dict[str, Any]] = []
     failed = False
     for path in files:
         try:

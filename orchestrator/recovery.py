@@ -1,0 +1,455 @@
+"""The recovery policy: after an attempt ends, decide the next attempt (or give up). Pure: no I/O, Ray or SQL.
+
+The scheduler builds ``AttemptRecord``s (the run's attempts, oldest first; ``history[-1]`` is the one that just
+ended) and ``CheckpointRecord``s (the run's checkpoints) from the store, calls ``decide`` and applies the result:
+a ``RecoveryPlan`` becomes a new attempt (``kind``, ``parent_checkpoint_id``, ``resume_step``,
+``overrides_json()``, ``plan_json()``, ``reason``); a ``GiveUp`` fails the run with its ``reason``.
+
+Policy (all knobs are the recipe's ``recovery`` section, read from the *effective* recipe):
+
+Budgets. Numeric retries (``kind == "numeric_retry"``) and crash restarts (``"crash_restart"``) are counted
+separately, over the attempts since the newest ``manual`` one (a manual retry grants fresh budgets).
+
+Lineage. The checkpoints an attempt may resume from are those of its *lineage*: its own, then those of the
+attempt it resumed from up to the step it resumed at (``resumed_from_id``; when unknown, the previous attempt
+in ``history`` up to ``start_step``), and so on back to a fresh start. A checkpoint of an abandoned branch (say
+step 800 of an attempt that diverged at 812 and was rolled back to 600) is never resumed. Ties on step prefer
+the newer attempt. A checkpoint at step ``s`` holds the state after ``s`` completed steps, so it is untouched
+by an anomaly at step ``onset`` iff ``s <= onset``.
+
+diverged → ``numeric_retry``:
+- Resume from the newest **valid, healthy** lineage checkpoint with ``step <= onset - rollback_margin_steps``
+  (onset: ``onset_step``, else ``final_step``, else ``start_step``). When the ended attempt had itself resumed
+  (``start_step > 0``, any kind) and diverged within ``early_failure_steps`` of that start, its start point is
+  presumed already on the way to divergence: the checkpoint must be strictly older than ``start_step``. No
+  qualifying checkpoint → restart from initialisation (``resume_from=None``, ``resume_step=0``).
+- Tighten from the effective settings (recipe + the ended attempt's overrides). Order: ``tighten_order``;
+  ``auto`` is ``lr_first`` for Adam/AdamW and ``clip_first`` for SGD. The *primary* knob is tightened on every
+  retry; the *secondary* one from the 2nd numeric retry on, or already on the 1st when the primary is at its
+  floor. ``both`` tightens both every retry.
+  - LR: ``lr × lr_factor``, floored at ``min_lr``; never raised (an LR already at/below the floor is at floor).
+  - Clip, by ``clipping.method``:
+    ``global_norm`` / ``zscore`` (its ``max_norm`` ceiling): ``clip_to_median_multiple × median_grad_norm``
+    when both are known *and* that lowers the threshold, else ``max_norm × clip_factor``; floored at
+    ``min_clip``, never raised. ``per_layer``: the same with ``clip_factor`` only (the median is of the global
+    norm, not per tensor). ``adaptive``: ``agc_lambda × clip_factor``, floored at ``MIN_AGC_LAMBDA`` (a ratio,
+    so ``min_clip``, a norm, does not apply). ``none``: turns on ``global_norm`` clipping at the median-based
+    threshold when known, else at the recipe's ``max_norm``, floored at ``min_clip``.
+    ``median_grad_norm`` is the newest one known in ``history`` (a short retry may not have measured one).
+  - fp16 → bf16 (``precision.dtype``) when the ended attempt's loss scale collapsed, ``fp16_to_bf16`` is on and
+    the dtype is fp16 — in addition to the LR/clip tightening above; the switch alone is enough to retry when
+    LR and clip are at their floors.
+  - Nothing can change (both knobs at their floors, no dtype switch) → ``GiveUp``.
+- ``rewarm_steps`` from the recipe. ``skip_data_window``: ``data_offset += onset - resume_step + 1``, i.e. the
+  batches of steps ``resume_step..onset`` *inclusive* are skipped (the onset batch is the likeliest culprit);
+  otherwise the offset is carried over. ``data_offset`` shifts the data stream of the whole attempt
+  (batch index = step + data_offset).
+- ``overrides`` is the cumulative diff against the ORIGINAL recipe, ``{path: (original, new)}``: a knob
+  tightened twice reads ``(1e-3, 2.5e-4)``, not ``(5e-4, 2.5e-4)``.
+
+crashed → ``crash_restart``: resume from the newest **valid** lineage checkpoint, healthy or not (the crash is
+not numeric, and the run had carried on past that checkpoint under the same settings; if its state was bad the
+detectors will say so and the numeric policy rolls back to a healthy one). Invalid (corrupt/deleted) ones are
+skipped, so a corrupt newest checkpoint means the previous one. None valid → initialisation. Overrides and
+``data_offset`` unchanged, no re-warm.
+
+succeeded / cancelled → ``ValueError``: there is nothing to recover, and a ``GiveUp`` would wrongly fail the run.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from orchestrator.recipe import ClipMethod, DType, Recipe, TightenOrder
+from workers.overrides import apply_overrides
+
+ATTEMPT_KINDS = frozenset({"initial", "numeric_retry", "crash_restart", "manual"})
+OUTCOMES = frozenset({"diverged", "crashed", "succeeded", "cancelled"})
+MIN_AGC_LAMBDA = 1e-3
+"""Floor for the adaptive-clipping ratio (``clipping.agc_lambda``) when tightening it."""
+
+_LR = "optimizer.lr"
+_METHOD = "clipping.method"
+_MAX_NORM = "clipping.max_norm"
+_AGC = "clipping.agc_lambda"
+_DTYPE = "precision.dtype"
+
+
+# ------------------------------------------------------------------------------------------------ records
+@dataclass(frozen=True)
+class AttemptRecord:
+    """One attempt as the policy needs it (built by the scheduler from the ``attempts`` row)."""
+
+    number: int
+    kind: str
+    """initial | numeric_retry | crash_restart | manual"""
+    outcome: str
+    """diverged | crashed | succeeded | cancelled"""
+    start_step: int
+    """Step the attempt resumed from (0 for a fresh start)."""
+    onset_step: int | None = None
+    """diverged: first anomalous step."""
+    final_step: int | None = None
+    """Last step reached."""
+    detector: str | None = None
+    """Kind of the anomaly that ended it (e.g. grad_norm_spike)."""
+    value: float | None = None
+    """Observed value of that anomaly."""
+    overrides: Mapping[str, Any] = field(default_factory=dict)
+    """The attempt's effective settings as a diff vs the recipe: {"optimizer.lr": (old, new)} (lists too)."""
+    data_offset: int = 0
+    loss_scale_collapsed: bool = False
+    median_grad_norm: float | None = None
+    """Median healthy pre-clip global grad norm observed."""
+    error: str | None = None
+    """crashed: what happened."""
+    resumed_from_id: int | None = None
+    """Id of the checkpoint it resumed from (the attempt's parent_checkpoint_id)."""
+
+    def __post_init__(self) -> None:
+        if self.kind not in ATTEMPT_KINDS:
+            raise ValueError(f"AttemptRecord.kind: {self.kind!r} is not one of {sorted(ATTEMPT_KINDS)}")
+        if self.outcome not in OUTCOMES:
+            raise ValueError(f"AttemptRecord.outcome: {self.outcome!r} is not one of {sorted(OUTCOMES)}")
+        if self.number < 1:
+            raise ValueError(f"AttemptRecord.number: must be >= 1, got {self.number}")
+        if self.start_step < 0:
+            raise ValueError(f"AttemptRecord.start_step: must be >= 0, got {self.start_step}")
+        if self.data_offset < 0:
+            raise ValueError(f"AttemptRecord.data_offset: must be >= 0, got {self.data_offset}")
+
+
+@dataclass(frozen=True)
+class CheckpointRecord:
+    id: int
+    attempt_number: int
+    step: int
+    uri: str
+    healthy: bool
+    valid: bool = True
+    """False: corrupt or deleted."""
+
+
+@dataclass(frozen=True)
+class RecoveryPlan:
+    kind: str
+    """numeric_retry | crash_restart"""
+    resume_from: CheckpointRecord | None
+    """None: restart from initialisation."""
+    resume_step: int
+    overrides: dict[str, tuple[Any, Any]]
+    """Cumulative diff vs the ORIGINAL recipe: what the new attempt runs with."""
+    rewarm_steps: int
+    data_offset: int
+    reason: str
+    """One line a person can read."""
+
+    @property
+    def parent_checkpoint_id(self) -> int | None:
+        return self.resume_from.id if self.resume_from is not None else None
+
+    def overrides_json(self) -> dict[str, list[Any]]:
+        """The overrides in the store's form: ``{"optimizer.lr": [old, new]}``."""
+        return {path: [old, new] for path, (old, new) in self.overrides.items()}
+
+    def plan_json(self) -> dict[str, Any]:
+        """The attempt's ``plan`` column: what the workers need besides the effective recipe."""
+        return {
+            "rewarm_steps": self.rewarm_steps,
+            "data_offset": self.data_offset,
+            "resume_uri": self.resume_from.uri if self.resume_from is not None else None,
+        }
+
+
+@dataclass(frozen=True)
+class GiveUp:
+    reason: str
+
+
+# -------------------------------------------------------------------------------------------- overrides
+def normalize_overrides(overrides: Mapping[str, Any] | None) -> dict[str, tuple[Any, Any]]:
+    """``{path: [old, new]}`` (store) or ``{path: (old, new)}`` → ``{path: (old, new)}``."""
+    out: dict[str, tuple[Any, Any]] = {}
+    for path, change in (overrides or {}).items():
+        if not isinstance(change, list | tuple) or len(change) != 2:
+            raise ValueError(f"overrides.{path}: must be [old, new], got {change!r}")
+        out[path] = (change[0], change[1])
+    return out
+
+
+def effective_recipe(recipe: Recipe, overrides: Mapping[str, Any] | None) -> Recipe:
+    """The recipe an attempt runs with (``workers.overrides.apply_overrides``; re-validated)."""
+    return apply_overrides(recipe, normalize_overrides(overrides))
+
+
+def effective_values(recipe: Recipe, overrides: Mapping[str, Any] | None) -> dict[str, Any]:
+    """The settings the policy tightens, as JSON values, under ``overrides``."""
+    eff = effective_recipe(recipe, overrides)
+    return {
+        "optimizer.name": eff.optimizer.name.value,
+        _LR: eff.optimizer.lr,
+        _METHOD: eff.clipping.method.value,
+        _MAX_NORM: eff.clipping.max_norm,
+        _AGC: eff.clipping.agc_lambda,
+        _DTYPE: eff.precision.dtype.value,
+    }
+
+
+def _get_path(doc: Mapping[str, Any], path: str) -> Any:
+    node: Any = doc
+    for part in path.split("."):
+        node = node[part]
+    return node
+
+
+# ------------------------------------------------------------------------------------------- formatting
+def _num(x: float) -> str:
+    """Short, readable number: 0.003, 0.0015, 1e-06, 1.0, 9.3."""
+    s = f"{x:.4g}"
+    if not any(c in s for c in ".en"):  # 'e', 'nan', 'inf'
+        s += ".0"
+    return s
+
+
+def _one_line(text: str | None, limit: int = 200) -> str:
+    """One line of an error, shortened: the first, or a traceback's last (the exception itself)."""
+    lines = [ln.strip() for ln in (text or "").splitlines() if ln.strip()]
+    if not lines:
+        return "no error recorded"
+    line = lines[-1] if lines[0].startswith("Traceback") else lines[0]
+    return line if len(line) <= limit else line[: limit - 1] + "…"
+
+
+def _ended(last: AttemptRecord, onset: int | None = None) -> str:
+    if last.outcome == "crashed":
+        return f"attempt {last.number} crashed ({_one_line(last.error)})"
+    what = last.detector or "anomaly"
+    if last.value is not None:
+        what += f"={_num(last.value)}"
+    where = f" at step {onset}" if onset is not None else ""
+    return f"attempt {last.number} diverged{where} ({what})"
+
+
+# ---------------------------------------------------------------------------------------------- lineage
+def _order(c: CheckpointRecord) -> tuple[int, int, int]:
+    return (c.step, c.attempt_number, c.id)
+
+
+def _lineage(history: Sequence[AttemptRecord], checkpoints: Sequence[CheckpointRecord]) -> list[CheckpointRecord]:
+    """Checkpoints on the path that led to the ended attempt's state (see the module docstring)."""
+    by_id = {c.id: c for c in checkpoints}
+    index_of = {a.number: i for i, a in enumerate(history)}
+    found: dict[int, CheckpointRecord] = {}
+    idx: int | None = len(history) - 1
+    up_to = math.inf
+    visited: set[int] = set()
+    while idx is not None and idx not in visited:
+        visited.add(idx)
+        a = history[idx]
+        for c in checkpoints:
+            if c.attempt_number == a.number and c.step <= up_to:
+                found[c.id] = c
+        parent = by_id.get(a.resumed_from_id) if a.resumed_from_id is not None else None
+        if parent is not None:
+            if parent.step <= up_to:
+                found[parent.id] = parent
+            up_to = min(up_to, parent.step)
+            nxt = index_of.get(parent.attempt_number)
+            idx = nxt if nxt is not None and history[nxt].number < a.number else None
+        elif a.start_step > 0 and idx > 0:
+            up_to = min(up_to, a.start_step)
+            idx -= 1
+        else:  # a fresh start: nothing came before it
+            idx = None
+    return sorted(found.values(), key=_order)
+
+
+# ----------------------------------------------------------------------------------------------- policy
+def decide(
+    recipe: Recipe, history: Sequence[AttemptRecord], checkpoints: Sequence[CheckpointRecord]
+) -> RecoveryPlan | GiveUp:
+    """The next attempt after ``history[-1]`` ended, or why there is none (policy: module docstring)."""
+    if not history:
+        raise ValueError("history: empty; decide needs the attempt that just ended as history[-1]")
+    last = history[-1]
+    if last.outcome in ("succeeded", "cancelled"):
+        raise ValueError(f"history[-1].outcome: attempt {last.number} {last.outcome}; there is nothing to recover")
+    since_manual = list(history)
+    for i in range(len(history) - 1, -1, -1):
+        if history[i].kind == "manual":
+            since_manual = list(history[i + 1 :])
+            break
+    eff = effective_recipe(recipe, last.overrides)
+    lineage = _lineage(history, checkpoints)
+    if last.outcome == "crashed":
+        used = sum(1 for a in since_manual if a.kind == "crash_restart")
+        return _crash_restart(eff, last, lineage, used)
+    used = sum(1 for a in since_manual if a.kind == "numeric_retry")
+    return _numeric_retry(recipe, eff, history, last, lineage, used)
+
+
+def _crash_restart(
+    eff: Recipe, last: AttemptRecord, lineage: list[CheckpointRecord], used: int
+) -> RecoveryPlan | GiveUp:
+    budget = eff.recovery.max_crash_restarts
+    if used >= budget:
+        return GiveUp(f"{_ended(last)}; crash restart budget exhausted ({used}/{budget})")
+    valid = [c for c in lineage if c.valid]
+    resume = valid[-1] if valid else None
+    floor = resume.step if resume is not None else -1
+    skipped = [c.step for c in lineage if not c.valid and c.step > floor]
+    where = f"resumed from step {resume.step}" if resume is not None else "restarted from initialisation"
+    reason = f"{_ended(last)}; {where} with unchanged settings"
+    if skipped:
+        reason += f" (skipped invalid checkpoint{'s' if len(skipped) > 1 else ''} at step "
+        reason += ", ".join(str(s) for s in sorted(skipped, reverse=True)) + ")"
+    elif resume is None:
+        reason += " (no valid checkpoint)"
+    return RecoveryPlan(
+        kind="crash_restart",
+        resume_from=resume,
+        resume_step=resume.step if resume is not None else 0,
+        overrides=normalize_overrides(last.overrides),
+        rewarm_steps=0,
+        data_offset=last.data_offset,
+        reason=reason,
+    )
+
+
+@dataclass(frozen=True)
+class _Change:
+    path: str
+    new: Any
+
+
+@dataclass(frozen=True)
+class _Knob:
+    changes: tuple[_Change, ...]
+    text: str
+    """What changed (for the reason) or, when ``changes`` is empty, why it could not."""
+
+
+def _tighten_lr(eff: Recipe) -> _Knob:
+    rec, lr = eff.recovery, eff.optimizer.lr
+    if lr <= rec.min_lr:
+        return _Knob((), f"lr at floor {_num(rec.min_lr)}")
+    new = max(lr * rec.lr_factor, rec.min_lr)
+    return _Knob((_Change(_LR, new),), f"lr {_num(lr)}→{_num(new)}")
+
+
+def _tighten_clip(eff: Recipe, median: float | None) -> _Knob:
+    rec, clip = eff.recovery, eff.clipping
+    method = clip.method
+    target: float | None = None
+    if rec.clip_to_median_multiple is not None and median is not None and method is not ClipMethod.per_layer:
+        target = rec.clip_to_median_multiple * median
+    note = f" ({_num(rec.clip_to_median_multiple or 0.0)}×median grad norm {_num(median or 0.0)})"
+    if method is ClipMethod.none:
+        new = max(target if target is not None else clip.max_norm, rec.min_clip)
+        changes = [_Change(_METHOD, ClipMethod.global_norm.value)]
+        if new != clip.max_norm:
+            changes.append(_Change(_MAX_NORM, new))
+        return _Knob(tuple(changes), f"clipping none→global_norm at {_num(new)}{note if target == new else ''}")
+    if method is ClipMethod.adaptive:
+        lam = clip.agc_lambda
+        new = max(lam * rec.clip_factor, MIN_AGC_LAMBDA)
+        if new >= lam:
+            return _Knob((), f"agc_lambda at floor {_num(MIN_AGC_LAMBDA)}")
+        return _Knob((_Change(_AGC, new),), f"agc_lambda {_num(lam)}→{_num(new)}")
+    cur = clip.max_norm
+    if target is not None and target < cur:
+        new, why = max(target, rec.min_clip), note
+    else:
+        new, why = max(cur * rec.clip_factor, rec.min_clip), ""
+    if new >= cur:
+        return _Knob((), f"clip at floor {_num(rec.min_clip)}")
+    return _Knob((_Change(_MAX_NORM, new),), f"clip {_num(cur)}→{_num(new)}{why if new == target else ''}")
+
+
+def _numeric_retry(
+    recipe: Recipe,
+    eff: Recipe,
+    history: Sequence[AttemptRecord],
+    last: AttemptRecord,
+    lineage: list[CheckpointRecord],
+    used: int,
+) -> RecoveryPlan | GiveUp:
+    rec = eff.recovery
+    onset = next((s for s in (last.onset_step, last.final_step) if s is not None), last.start_step)
+    if used >= rec.max_retries:
+        return GiveUp(f"{_ended(last, onset)}; numeric retry budget exhausted ({used}/{rec.max_retries})")
+
+    # what to tighten
+    order = rec.tighten_order
+    if order is TightenOrder.auto:
+        order = TightenOrder.lr_first if eff.optimizer.is_adam_family else TightenOrder.clip_first
+    median = next(
+        (a.median_grad_norm for a in reversed(history)
+         if a.median_grad_norm is not None and math.isfinite(a.median_grad_norm) and a.median_grad_norm > 0),
+        None,
+    )
+    lr_knob, clip_knob = _tighten_lr(eff), _tighten_clip(eff, median)
+    if order is TightenOrder.both:
+        chosen = [lr_knob, clip_knob]
+    else:
+        primary, secondary = (lr_knob, clip_knob) if order is TightenOrder.lr_first else (clip_knob, lr_knob)
+        retry_no = used + 1
+        chosen = [primary, secondary] if retry_no >= 2 or not primary.changes else [primary]
+    moved = [k for k in chosen if k.changes]
+    switch_dtype = last.loss_scale_collapsed and rec.fp16_to_bf16 and eff.precision.dtype is DType.fp16
+    if not moved and not switch_dtype:
+        floors = ", ".join(k.text for k in (lr_knob, clip_knob))
+        return GiveUp(f"{_ended(last, onset)}; nothing left to tighten ({floors})")
+    changes = [c for k in moved for c in k.changes]
+    texts = [k.text for k in moved]
+    if switch_dtype:
+        changes.append(_Change(_DTYPE, DType.bf16.value))
+        texts.append("precision fp16→bf16 (loss scale collapsed)")
+
+    # where to resume
+    limit = onset - rec.rollback_margin_steps
+    early = last.start_step > 0 and onset - last.start_step <= rec.early_failure_steps
+    candidates = [
+        c for c in lineage
+        if c.valid and c.healthy and c.step <= limit and (not early or c.step < last.start_step)
+    ]
+    resume = candidates[-1] if candidates else None
+    resume_step = resume.step if resume is not None else 0
+    where = f"resumed from step {resume_step}" if resume is not None else "restarted from initialisation"
+    if early:
+        where += f" (went further back: it failed {onset - last.start_step} steps after resuming at step "
+        where += f"{last.start_step})"
+    elif resume is None:
+        margin = rec.rollback_margin_steps
+        where += f" (no healthy checkpoint {f'{margin}+ steps ' if margin else ''}before the onset)"
+
+    # the new attempt's overrides: a cumulative diff against the original recipe
+    original = recipe.model_dump(mode="json", by_alias=True)
+    overrides = normalize_overrides(last.overrides)
+    for ch in changes:
+        old = _get_path(original, ch.path)
+        if ch.new == old:
+            overrides.pop(ch.path, None)
+        else:
+            overrides[ch.path] = (old, ch.new)
+    apply_overrides(recipe, overrides)  # the plan must yield a recipe the schema accepts
+
+    if rec.rewarm_steps:
+        texts.append(f"re-warm {rec.rewarm_steps} steps")
+    data_offset = last.data_offset
+    if rec.skip_data_window:
+        data_offset += max(0, onset - resume_step + 1)
+        texts.append(f"skipped data {resume_step}–{onset}")
+    reason = f"{_ended(last, onset)}; {where}; " + ", ".join(texts)
+    return RecoveryPlan(
+        kind="numeric_retry",
+        resume_from=resume,
+        resume_step=resume_step,
+        overrides=overrides,
+        rewarm_steps=rec.rewarm_steps,
+        data_offset=data_offset,
+        reason=reason,
+    )

@@ -1,0 +1,497 @@
+"""Table tests of the pure recovery policy: one test (or table row) per branch of ``decide``."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from orchestrator.recipe import Recipe, validate_recipe_data
+from orchestrator.recovery import (
+    MIN_AGC_LAMBDA,
+    AttemptRecord,
+    CheckpointRecord,
+    GiveUp,
+    RecoveryPlan,
+    decide,
+    effective_values,
+    normalize_overrides,
+)
+from workers.overrides import apply_overrides
+
+
+def recipe(**sections: Any) -> Recipe:
+    doc: dict[str, Any] = {"name": "t", "training": {"max_steps": 2000}}
+    doc.update(sections)
+    return validate_recipe_data(doc)
+
+
+def cps(attempt: int, steps: range | list[int], *, start_id: int = 1, **kw: Any) -> list[CheckpointRecord]:
+    return [CheckpointRecord(start_id + i, attempt, s, f"file:///ck/{attempt}/{s}", kw.get("healthy", True))
+            for i, s in enumerate(steps)]
+
+
+def diverged(number: int = 1, onset: int = 812, *, kind: str = "initial", start: int = 0, **kw: Any) -> AttemptRecord:
+    kw.setdefault("detector", "grad_norm_spike")
+    return AttemptRecord(number=number, kind=kind, outcome="diverged", start_step=start, onset_step=onset,
+                         final_step=onset + 2, **kw)
+
+
+def crashed(number: int = 1, *, kind: str = "initial", start: int = 0, **kw: Any) -> AttemptRecord:
+    kw.setdefault("error", "worker died")
+    return AttemptRecord(number=number, kind=kind, outcome="crashed", start_step=start, **kw)
+
+
+def plan(r: Recipe, history: list[AttemptRecord], checkpoints: list[CheckpointRecord]) -> RecoveryPlan:
+    out = decide(r, history, checkpoints)
+    assert isinstance(out, RecoveryPlan), out
+    return out
+
+
+def give_up(r: Recipe, history: list[AttemptRecord], checkpoints: list[CheckpointRecord]) -> GiveUp:
+    out = decide(r, history, checkpoints)
+    assert isinstance(out, GiveUp), out
+    return out
+
+
+def follow(prev: AttemptRecord, p: RecoveryPlan, number: int, *, outcome: str = "diverged",
+           onset: int | None = None, **kw: Any) -> AttemptRecord:
+    """The attempt the scheduler would start from plan ``p``, ended with ``outcome``."""
+    return AttemptRecord(number=number, kind=p.kind, outcome=outcome, start_step=p.resume_step,
+                         onset_step=onset, final_step=onset, overrides=p.overrides_json(),
+                         data_offset=p.data_offset, resumed_from_id=p.parent_checkpoint_id,
+                         detector=kw.pop("detector", "loss_spike" if outcome == "diverged" else None), **kw)
+
+
+EVERY_100 = cps(1, range(0, 900, 100))  # ids 1..9 at steps 0..800
+
+
+# ------------------------------------------------------------------------------------ diverged: where to resume
+@pytest.mark.parametrize(
+    ("margin", "onset", "expected_step"),
+    [
+        (0, 812, 800),    # newest healthy checkpoint at or before the onset
+        (0, 800, 800),    # a checkpoint at the onset step holds the state before that step's update
+        (150, 812, 600),  # at least 150 steps before: <= 662
+        (12, 812, 800),   # exactly the margin still qualifies
+        (13, 812, 700),
+    ],
+)
+def test_diverged_resumes_from_newest_healthy_checkpoint_before_onset_minus_margin(
+    margin: int, onset: int, expected_step: int
+) -> None:
+    p = plan(recipe(recovery={"rollback_margin_steps": margin}), [diverged(onset=onset)], EVERY_100)
+    assert p.kind == "numeric_retry"
+    assert p.resume_from is not None and p.resume_from.step == expected_step
+    assert p.resume_step == expected_step
+    assert p.parent_checkpoint_id == p.resume_from.id
+    assert p.plan_json()["resume_uri"] == f"file:///ck/1/{expected_step}"
+
+
+def test_diverged_skips_unhealthy_and_invalid_checkpoints() -> None:
+    checkpoints = [
+        CheckpointRecord(1, 1, 600, "u600", healthy=True),
+        CheckpointRecord(2, 1, 700, "u700", healthy=True, valid=False),
+        CheckpointRecord(3, 1, 800, "u800", healthy=False),
+    ]
+    p = plan(recipe(), [diverged(onset=812)], checkpoints)
+    assert p.resume_from == checkpoints[0]
+
+
+def test_diverged_without_qualifying_checkpoint_restarts_from_initialisation() -> None:
+    checkpoints = cps(1, [100, 200]) + [CheckpointRecord(9, 1, 50, "u50", healthy=False)]
+    p = plan(recipe(recovery={"rollback_margin_steps": 50}), [diverged(onset=120)], checkpoints)
+    assert p.resume_from is None and p.resume_step == 0
+    assert p.plan_json()["resume_uri"] is None
+    assert "restarted from initialisation" in p.reason
+
+
+def test_repeat_failure_soon_after_resuming_goes_further_back() -> None:
+    r = recipe()  # early_failure_steps 20
+    first = plan(r, [diverged(1, 812)], EVERY_100)
+    assert first.resume_step == 800
+    # attempt 2 failed 5 steps after resuming at 800: its start point is suspect
+    early = follow(diverged(1, 812), first, 2, onset=805)
+    p = plan(r, [diverged(1, 812), early], EVERY_100)
+    assert p.resume_step == 700
+    assert "went further back" in p.reason and "5 steps after resuming at step 800" in p.reason
+    # 50 steps after its start is not early: the newest healthy checkpoint of attempt 2's own is used
+    late = follow(diverged(1, 812), first, 2, onset=860)
+    own = cps(2, [850], start_id=20)
+    p = plan(r, [diverged(1, 812), late], EVERY_100 + own)
+    assert p.resume_from == own[0]
+
+
+def test_repeat_failure_with_nothing_older_restarts_from_initialisation() -> None:
+    r = recipe()
+    checkpoints = cps(1, [100])
+    first = plan(r, [diverged(1, 130)], checkpoints)
+    assert first.resume_step == 100
+    p = plan(r, [diverged(1, 130), follow(diverged(1, 130), first, 2, onset=103)], checkpoints)
+    assert p.resume_from is None and p.resume_step == 0
+
+
+def test_checkpoints_of_an_abandoned_branch_are_never_resumed() -> None:
+    """Attempt 1 reached 800 and diverged at 812; attempt 2 resumed at 600 (margin). Its 800 is attempt 1's."""
+    r = recipe(recovery={"rollback_margin_steps": 200, "early_failure_steps": 0})
+    first = plan(r, [diverged(1, 812)], EVERY_100)
+    assert first.resume_step == 600
+    second = follow(diverged(1, 812), first, 2, onset=1050)
+    own = cps(2, [700, 800], start_id=20)
+    p = plan(r, [diverged(1, 812), second], EVERY_100 + own)
+    # limit 850: attempt 2's own 800 (not attempt 1's 800, which led to the divergence)
+    assert p.resume_from == own[1]
+    # and with no own checkpoints, the lineage continues below 600 in attempt 1, never 700/800 of attempt 1
+    second = follow(diverged(1, 812), first, 2, onset=850)
+    assert plan(r, [diverged(1, 812), second], EVERY_100).resume_step == 600
+
+
+# -------------------------------------------------------------------------------------- diverged: tightening
+@pytest.mark.parametrize(
+    ("optimizer", "order", "first", "second"),
+    [
+        # auto: Adam family lowers LR first; clipping joins on the 2nd retry
+        ("adamw", "auto", {"optimizer.lr"}, {"optimizer.lr", "clipping.max_norm"}),
+        ("adam", "auto", {"optimizer.lr"}, {"optimizer.lr", "clipping.max_norm"}),
+        # auto: SGD clips first; LR joins on the 2nd retry
+        ("sgd", "auto", {"clipping.max_norm"}, {"optimizer.lr", "clipping.max_norm"}),
+        # explicit orders win over the optimizer family
+        ("sgd", "lr_first", {"optimizer.lr"}, {"optimizer.lr", "clipping.max_norm"}),
+        ("adamw", "clip_first", {"clipping.max_norm"}, {"optimizer.lr", "clipping.max_norm"}),
+        ("adamw", "both", {"optimizer.lr", "clipping.max_norm"}, {"optimizer.lr", "clipping.max_norm"}),
+    ],
+)
+def test_tighten_order(optimizer: str, order: str, first: set[str], second: set[str]) -> None:
+    r = recipe(optimizer={"name": optimizer, "lr": 0.004}, clipping={"max_norm": 2.0},
+               recovery={"tighten_order": order})
+    p1 = plan(r, [diverged(1, 812)], EVERY_100)
+    assert set(p1.overrides) == first
+    a2 = follow(diverged(1, 812), p1, 2, onset=900)
+    p2 = plan(r, [diverged(1, 812), a2], EVERY_100)
+    assert set(p2.overrides) == second
+    # cumulative against the ORIGINAL recipe
+    expected = {"optimizer.lr": 0.004, "clipping.max_norm": 2.0}
+    for path in second:
+        times = (path in first) + (path in second)
+        assert p2.overrides[path] == (expected[path], expected[path] * 0.5**times)
+
+
+def test_reason_names_the_onset_detector_checkpoint_and_every_change() -> None:
+    r = recipe(optimizer={"lr": 3e-3}, recovery={"tighten_order": "both", "rewarm_steps": 50,
+                                                  "skip_data_window": True, "rollback_margin_steps": 200})
+    checkpoints = cps(2, range(0, 900, 200))  # 0, 200, 400, 600, 800
+    p = plan(r, [diverged(2, 812, detector="grad_norm_spike", value=9.3)], checkpoints)
+    assert p.reason == (
+        "attempt 2 diverged at step 812 (grad_norm_spike=9.3); resumed from step 600; "
+        "lr 0.003→0.0015, clip 1.0→0.5, re-warm 50 steps, skipped data 600–812"
+    )
+    assert p.rewarm_steps == 50
+
+
+def test_lr_floor_and_clip_floor() -> None:
+    r = recipe(optimizer={"lr": 1.5e-6}, clipping={"max_norm": 0.015},
+               recovery={"tighten_order": "both", "min_lr": 1e-6, "min_clip": 0.01})
+    p = plan(r, [diverged()], EVERY_100)
+    assert p.overrides == {"optimizer.lr": (1.5e-6, 1e-6), "clipping.max_norm": (0.015, 0.01)}
+
+
+def test_primary_knob_at_floor_tightens_the_secondary_on_the_first_retry() -> None:
+    r = recipe(optimizer={"name": "adamw", "lr": 1e-6}, recovery={"min_lr": 1e-6})
+    p = plan(r, [diverged()], EVERY_100)
+    assert p.overrides == {"clipping.max_norm": (1.0, 0.5)}
+
+
+def test_lr_below_the_floor_is_never_raised() -> None:
+    r = recipe(optimizer={"lr": 1e-7}, recovery={"min_lr": 1e-6, "tighten_order": "lr_first"})
+    p = plan(r, [diverged()], EVERY_100)
+    assert "optimizer.lr" not in p.overrides
+    assert p.overrides == {"clipping.max_norm": (1.0, 0.5)}
+
+
+def test_everything_at_its_floor_gives_up_with_the_floors_in_the_reason() -> None:
+    r = recipe(optimizer={"lr": 1e-6}, clipping={"max_norm": 0.01}, recovery={"min_lr": 1e-6, "min_clip": 0.01})
+    out = give_up(r, [diverged(4, 120, detector="loss_spike")], EVERY_100)
+    assert out.reason == (
+        "attempt 4 diverged at step 120 (loss_spike); nothing left to tighten (lr at floor 1e-06, clip at floor 0.01)"
+    )
+
+
+def test_floors_reached_through_overrides_give_up() -> None:
+    r = recipe(optimizer={"lr": 4e-6}, clipping={"max_norm": 0.04}, recovery={"max_retries": 10})
+    last = diverged(3, 300, kind="numeric_retry", start=200,
+                    overrides={"optimizer.lr": [4e-6, 1e-6], "clipping.max_norm": [0.04, 0.01]})
+    assert isinstance(decide(r, [diverged(1, 812), last], EVERY_100), GiveUp)
+
+
+@pytest.mark.parametrize(
+    ("multiple", "median", "expected_clip"),
+    [
+        (2.0, 0.1, 0.2),       # 2 × median, lower than 1.0
+        (2.0, 0.001, 0.01),    # ... floored at min_clip
+        (2.0, 3.0, 0.5),       # 6.0 would raise the clip: clip_factor instead
+        (2.0, None, 0.5),      # median unknown: clip_factor
+        (None, 0.1, 0.5),      # median option off
+    ],
+)
+def test_median_based_clip(multiple: float | None, median: float | None, expected_clip: float) -> None:
+    r = recipe(recovery={"tighten_order": "clip_first", "clip_to_median_multiple": multiple})
+    p = plan(r, [diverged(median_grad_norm=median)], EVERY_100)
+    assert p.overrides["clipping.max_norm"] == (1.0, pytest.approx(expected_clip))
+
+
+def test_median_from_an_earlier_attempt_is_used_when_the_last_measured_none() -> None:
+    r = recipe(recovery={"tighten_order": "clip_first", "clip_to_median_multiple": 2.0})
+    first = diverged(1, 812, median_grad_norm=0.1)
+    p1 = plan(r, [first], EVERY_100)
+    second = follow(first, p1, 2, onset=900, median_grad_norm=None)
+    p2 = plan(r, [first, second], EVERY_100)
+    # 0.2 already; the median target (0.2) does not lower it, so clip_factor halves it
+    assert p1.overrides["clipping.max_norm"] == (1.0, pytest.approx(0.2))
+    assert p2.overrides["clipping.max_norm"] == (1.0, pytest.approx(0.1))
+    assert "2.0×median grad norm 0.1" in p1.reason
+
+
+@pytest.mark.parametrize(
+    ("multiple", "median", "max_norm", "expected"),
+    [
+        (None, None, 1.0, {"clipping.method": ("none", "global_norm")}),
+        (None, None, 3.0, {"clipping.method": ("none", "global_norm")}),
+        (2.0, 0.25, 1.0, {"clipping.method": ("none", "global_norm"), "clipping.max_norm": (1.0, 0.5)}),
+    ],
+)
+def test_clipping_none_turns_on_global_norm(
+    multiple: float | None, median: float | None, max_norm: float, expected: dict[str, Any]
+) -> None:
+    r = recipe(optimizer={"name": "sgd"}, clipping={"method": "none", "max_norm": max_norm},
+               recovery={"clip_to_median_multiple": multiple})
+    p = plan(r, [diverged(median_grad_norm=median)], EVERY_100)
+    assert p.overrides == expected
+    assert "clipping none→global_norm" in p.reason
+    eff = apply_overrides(r, p.overrides_json())
+    assert eff.clipping.method.value == "global_norm"
+
+
+def test_adaptive_clipping_tightens_agc_lambda_down_to_its_floor() -> None:
+    r = recipe(optimizer={"name": "sgd"}, clipping={"method": "adaptive", "agc_lambda": 0.04})
+    p = plan(r, [diverged()], EVERY_100)
+    assert p.overrides == {"clipping.agc_lambda": (0.04, 0.02)}
+    at_floor = recipe(optimizer={"name": "sgd", "lr": 1e-6}, clipping={"method": "adaptive",
+                                                                       "agc_lambda": MIN_AGC_LAMBDA})
+    assert "agc_lambda at floor" in give_up(at_floor, [diverged()], EVERY_100).reason
+
+
+def test_per_layer_clipping_ignores_the_global_median() -> None:
+    r = recipe(clipping={"method": "per_layer"},
+               recovery={"tighten_order": "clip_first", "clip_to_median_multiple": 2.0})
+    p = plan(r, [diverged(median_grad_norm=0.1)], EVERY_100)
+    assert p.overrides == {"clipping.max_norm": (1.0, 0.5)}
+
+
+# ------------------------------------------------------------------------------------ diverged: data, dtype
+def test_skip_data_window_accumulates_over_retries() -> None:
+    r = recipe(recovery={"skip_data_window": True, "early_failure_steps": 0})
+    first = diverged(1, 812)
+    p1 = plan(r, [first], EVERY_100)
+    assert (p1.resume_step, p1.data_offset) == (800, 13)  # batches of steps 800..812 skipped
+    second = follow(first, p1, 2, onset=930)
+    own = cps(2, [850, 900], start_id=20)
+    p2 = plan(r, [first, second], EVERY_100 + own)
+    assert (p2.resume_step, p2.data_offset) == (900, 13 + 31)
+    assert "skipped data 900–930" in p2.reason
+
+
+def test_without_skip_data_window_the_offset_is_carried_over() -> None:
+    p = plan(recipe(), [diverged(1, 812, data_offset=7)], EVERY_100)
+    assert p.data_offset == 7
+    assert "skipped data" not in p.reason
+
+
+@pytest.mark.parametrize(
+    ("dtype", "collapsed", "switch", "expect_bf16"),
+    [
+        ("fp16", True, True, True),
+        ("fp16", False, True, False),
+        ("fp16", True, False, False),
+        ("bf16", True, True, False),
+    ],
+)
+def test_fp16_to_bf16_when_the_loss_scale_collapsed(dtype: str, collapsed: bool, switch: bool,
+                                                     expect_bf16: bool) -> None:
+    r = recipe(precision={"dtype": dtype}, recovery={"fp16_to_bf16": switch})
+    p = plan(r, [diverged(loss_scale_collapsed=collapsed)], EVERY_100)
+    assert (p.overrides.get("precision.dtype") == ("fp16", "bf16")) is expect_bf16
+    assert ("fp16→bf16" in p.reason) is expect_bf16
+    assert "optimizer.lr" in p.overrides  # LR is still tightened
+
+
+def test_dtype_switch_alone_is_enough_when_lr_and_clip_are_at_floor() -> None:
+    r = recipe(optimizer={"lr": 1e-6}, clipping={"max_norm": 0.01}, precision={"dtype": "fp16"})
+    p = plan(r, [diverged(loss_scale_collapsed=True)], EVERY_100)
+    assert p.overrides == {"precision.dtype": ("fp16", "bf16")}
+
+
+# --------------------------------------------------------------------------------------------------- budgets
+def test_numeric_budget_exhausted() -> None:
+    r = recipe()  # max_retries 3
+    history = [diverged(1, 100)] + [diverged(n, 100 + n, kind="numeric_retry", start=100) for n in (2, 3, 4)]
+    history[-1] = diverged(4, 120, kind="numeric_retry", start=100, detector="loss_spike")
+    assert give_up(r, history, EVERY_100).reason == (
+        "attempt 4 diverged at step 120 (loss_spike); numeric retry budget exhausted (3/3)"
+    )
+    # one fewer retry used: still planned
+    assert isinstance(decide(r, history[:-1], EVERY_100), RecoveryPlan)
+
+
+def test_zero_retries_gives_up_on_the_first_divergence() -> None:
+    out = give_up(recipe(recovery={"max_retries": 0}), [diverged()], EVERY_100)
+    assert "numeric retry budget exhausted (0/0)" in out.reason
+
+
+def test_a_manual_retry_grants_fresh_budgets() -> None:
+    history = [diverged(1, 100), diverged(2, 110, kind="numeric_retry", start=100),
+               diverged(3, 120, kind="manual"), ]
+    r = recipe(recovery={"max_retries": 1})
+    assert isinstance(decide(r, history[:2], EVERY_100), GiveUp)
+    assert isinstance(decide(r, history, EVERY_100), RecoveryPlan)
+
+
+def test_crash_budget_is_separate_from_the_numeric_budget() -> None:
+    r = recipe(recovery={"max_retries": 1, "max_crash_restarts": 2})
+    history = [diverged(1, 100), diverged(2, 150, kind="numeric_retry", start=100)]
+    assert isinstance(decide(r, history, EVERY_100), GiveUp)  # numeric budget spent
+    history[-1] = crashed(2, kind="numeric_retry", start=100)
+    assert plan(r, history, EVERY_100).kind == "crash_restart"  # ... crashes still restart
+    history += [crashed(3, kind="crash_restart", start=100), crashed(4, kind="crash_restart", start=100,
+                                                                     error="OOM")]
+    assert give_up(r, history, EVERY_100).reason == (
+        "attempt 4 crashed (OOM); crash restart budget exhausted (2/2)"
+    )
+    # crash restarts do not use up numeric retries
+    r = recipe(recovery={"max_retries": 1, "max_crash_restarts": 5})
+    history = [crashed(1), crashed(2, kind="crash_restart"), diverged(3, 400, kind="crash_restart")]
+    assert plan(r, history, EVERY_100).kind == "numeric_retry"
+
+
+# ---------------------------------------------------------------------------------------------------- crashes
+def test_crash_resumes_from_the_newest_valid_checkpoint_with_unchanged_settings() -> None:
+    checkpoints = cps(1, [100, 150]) + [CheckpointRecord(3, 1, 200, "u200", healthy=False)]
+    last = crashed(1, data_offset=12, overrides={"optimizer.lr": [1e-3, 5e-4]})
+    p = plan(recipe(), [last], checkpoints)
+    assert p.kind == "crash_restart"
+    assert p.resume_from == checkpoints[2]  # newest valid, healthy or not: the crash is not numeric
+    assert p.overrides == {"optimizer.lr": (1e-3, 5e-4)}
+    assert (p.rewarm_steps, p.data_offset) == (0, 12)
+    assert p.reason == "attempt 1 crashed (worker died); resumed from step 200 with unchanged settings"
+
+
+def test_crash_with_corrupt_newest_checkpoint_uses_the_previous_one() -> None:
+    checkpoints = cps(1, [100, 150]) + [CheckpointRecord(3, 1, 200, "u200", healthy=True, valid=False)]
+    p = plan(recipe(), [crashed(1)], checkpoints)
+    assert p.resume_from == checkpoints[1]
+    assert p.reason == ("attempt 1 crashed (worker died); resumed from step 150 with unchanged settings "
+                        "(skipped invalid checkpoint at step 200)")
+
+
+def test_crash_without_valid_checkpoint_restarts_from_initialisation() -> None:
+    checkpoints = [CheckpointRecord(1, 1, 100, "u100", healthy=True, valid=False)]
+    p = plan(recipe(), [crashed(1)], checkpoints)
+    assert p.resume_from is None and p.resume_step == 0
+    assert "restarted from initialisation with unchanged settings" in p.reason
+
+
+def test_crash_of_a_retry_resumes_in_its_own_lineage() -> None:
+    """Attempt 2 resumed at 600 and crashed before its first checkpoint: back to 600, not attempt 1's 800."""
+    r = recipe(recovery={"rollback_margin_steps": 200})
+    first = plan(r, [diverged(1, 812)], EVERY_100)
+    assert first.resume_step == 600
+    second = follow(diverged(1, 812), first, 2, outcome="crashed", error="worker died")
+    p = plan(r, [diverged(1, 812), second], EVERY_100)
+    assert p.resume_step == 600
+    assert p.overrides == first.overrides
+    # and without the parent id, the lineage falls back to the previous attempt up to the start step
+    orphan = AttemptRecord(2, "numeric_retry", "crashed", start_step=600, overrides=first.overrides_json())
+    assert plan(r, [diverged(1, 812), orphan], EVERY_100).resume_step == 600
+
+
+def test_crash_reason_is_one_line_with_a_tracebacks_exception() -> None:
+    err = "Traceback (most recent call last):\n  File \"x.py\", line 1\nRuntimeError: CUDA out of memory\n"
+    p = plan(recipe(), [crashed(error=err)], EVERY_100)
+    assert "(RuntimeError: CUDA out of memory)" in p.reason and "\n" not in p.reason
+
+
+# ------------------------------------------------------------------------------------------------ bad input
+@pytest.mark.parametrize("outcome", ["succeeded", "cancelled"])
+def test_nothing_to_recover_is_a_caller_error(outcome: str) -> None:
+    with pytest.raises(ValueError, match="history\\[-1\\].outcome"):
+        decide(recipe(), [AttemptRecord(1, "initial", outcome, 0)], [])
+
+
+def test_empty_history_is_refused() -> None:
+    with pytest.raises(ValueError, match="history: empty"):
+        decide(recipe(), [], [])
+
+
+@pytest.mark.parametrize(
+    ("kw", "field"),
+    [({"kind": "retry"}, "kind"), ({"outcome": "exploded"}, "outcome"), ({"number": 0}, "number"),
+     ({"start_step": -1}, "start_step")],
+)
+def test_bad_attempt_records_name_the_field(kw: dict[str, Any], field: str) -> None:
+    args: dict[str, Any] = {"number": 1, "kind": "initial", "outcome": "diverged", "start_step": 0, **kw}
+    with pytest.raises(ValueError, match=f"AttemptRecord.{field}"):
+        AttemptRecord(**args)
+
+
+def test_malformed_overrides_name_the_path() -> None:
+    with pytest.raises(ValueError, match="overrides.optimizer.lr"):
+        normalize_overrides({"optimizer.lr": [1, 2, 3]})
+
+
+# -------------------------------------------------------------------------------------------- serialisation
+def test_plan_json_forms_and_effective_values() -> None:
+    r = recipe(precision={"dtype": "fp16"}, recovery={"skip_data_window": True})
+    p = plan(r, [diverged(1, 812, loss_scale_collapsed=True)], EVERY_100)
+    assert p.overrides_json() == {"optimizer.lr": [1e-3, 5e-4], "precision.dtype": ["fp16", "bf16"]}
+    assert p.plan_json() == {"rewarm_steps": 20, "data_offset": 13, "resume_uri": "file:///ck/1/800"}
+    values = effective_values(r, p.overrides_json())
+    assert values["optimizer.lr"] == 5e-4 and values["precision.dtype"] == "bf16"
+    assert effective_values(r, None)["precision.dtype"] == "fp16"
+
+
+# ------------------------------------------------------------------------------------------------- property
+@settings(max_examples=150, deadline=None)
+@given(
+    onsets=st.lists(st.integers(0, 1000), min_size=1, max_size=5),
+    healthy=st.lists(st.booleans(), min_size=11, max_size=11),
+    valid=st.lists(st.booleans(), min_size=11, max_size=11),
+    margin=st.integers(0, 300),
+    order=st.sampled_from(["auto", "lr_first", "clip_first", "both"]),
+    sgd=st.booleans(),
+)
+def test_retries_never_loosen_and_never_resume_past_the_margin(
+    onsets: list[int], healthy: list[bool], valid: list[bool], margin: int, order: str, sgd: bool
+) -> None:
+    r = recipe(optimizer={"name": "sgd" if sgd else "adamw"},
+               recovery={"rollback_margin_steps": margin, "tighten_order": order, "max_retries": 10})
+    checkpoints = [CheckpointRecord(i + 1, 1, i * 100, f"u{i}", healthy[i], valid[i]) for i in range(11)]
+    history = [diverged(1, onsets[0])]
+    for n, onset in enumerate(onsets[1:], start=2):
+        out = decide(r, history, checkpoints)
+        if isinstance(out, GiveUp):
+            return
+        history.append(follow(history[-1], out, n, onset=max(onset, out.resume_step)))
+    out = decide(r, history, checkpoints)
+    if isinstance(out, GiveUp):
+        return
+    prev = effective_values(r, history[-1].overrides)
+    new = effective_values(r, out.overrides_json())
+    assert new["optimizer.lr"] <= prev["optimizer.lr"]
+    assert new["clipping.max_norm"] <= prev["clipping.max_norm"]
+    assert (new["optimizer.lr"], new["clipping.max_norm"]) != (prev["optimizer.lr"], prev["clipping.max_norm"])
+    last_onset = history[-1].onset_step
+    assert last_onset is not None
+    if out.resume_from is not None:
+        assert out.resume_from.healthy and out.resume_from.valid
+        assert out.resume_step <= last_onset - margin

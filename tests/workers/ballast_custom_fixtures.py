@@ -1,0 +1,57 @@
+"""Factories that the custom-model/data tests name by import string (module `ballast_custom_fixtures`)."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+
+class TinyCustom(nn.Module):
+    """Honours the model contract: forward((x, y)) -> scalar MSE, blocks in input → output order."""
+
+    def __init__(self, dim: int, hidden: int) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList([nn.Linear(dim, hidden), nn.Linear(hidden, 1)])
+
+    def forward(self, batch: tuple[Tensor, Tensor]) -> Tensor:
+        x, y = batch
+        pred: Tensor = self.blocks[1](torch.tanh(self.blocks[0](x)))
+        return F.mse_loss(pred, y)
+
+
+class VectorLoss(TinyCustom):
+    """Breaks the contract: returns per-sample losses instead of their mean."""
+
+    def forward(self, batch: tuple[Tensor, Tensor]) -> Tensor:
+        x, y = batch
+        pred: Tensor = self.blocks[1](torch.tanh(self.blocks[0](x)))
+        return (pred - y).pow(2).flatten()
+
+
+def make_model(dim: int = 3, hidden: int = 8) -> nn.Module:
+    return TinyCustom(dim, hidden)
+
+
+def make_vector_loss_model(dim: int = 3, hidden: int = 8) -> nn.Module:
+    return VectorLoss(dim, hidden)
+
+
+def make_blockless_model() -> nn.Module:
+    return nn.Linear(3, 1)
+
+
+def make_not_a_module() -> dict[str, int]:
+    return {"a": 1}
+
+
+def make_batch(index: int, batch_size: int, seed: int, dim: int = 3) -> tuple[Tensor, Tensor]:
+    """Custom data: seeded by the seed Ballast passes in, so batches are deterministic per (seed, index)."""
+    g = torch.Generator().manual_seed(seed + 7919 * index)
+    x = torch.randn(batch_size, dim, generator=g)
+    return x, x.sum(1, keepdim=True)
+
+
+def make_bad_batch(index: int, batch_size: int, seed: int) -> Tensor:
+    """Breaks the data contract: one tensor instead of (inputs, targets)."""
+    return torch.zeros(batch_size, 3)

@@ -1,0 +1,426 @@
+"""Detectors on synthetic series: each fires on its pattern, stays silent on healthy noisy training, respects
+patience, is not poisoned by outliers, and its state round-trips exactly through JSON."""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Callable, Iterable
+from dataclasses import replace
+from typing import Any
+
+import numpy as np
+import pytest
+
+from orchestrator.recipe import Action, Detectors
+from workers.detectors import (
+    Decision,
+    DetectorSuite,
+    Finding,
+    StepSignals,
+    depth_slope,
+    diagnose_depth,
+)
+
+SEEDS = [0, 1, 2, 3, 4]
+NAN, INF = float("nan"), float("inf")
+
+
+def healthy(seed: int, n: int = 1000, every: int = 10, depth: int = 6) -> list[StepSignals]:
+    """A realistic healthy run: loss decaying from ~4.2 to 1.5 with 3% multiplicative batch noise; grad norm
+    decaying with log-normal noise (sigma 0.25) and occasional 1.8x bumps; a flat-ish per-layer profile and
+    update ratios around 1e-3 every ``every`` steps."""
+    rng = np.random.default_rng(seed)
+    t = np.arange(n)
+    loss = (1.5 + 2.7 * np.exp(-t / 150)) * (1 + 0.03 * rng.standard_normal(n))
+    gn = (0.4 + 2.0 * np.exp(-t / 80)) * np.exp(0.25 * rng.standard_normal(n))
+    gn[rng.random(n) < 0.01] *= 1.8
+    out = []
+    for i in range(n):
+        layers = ratio = None
+        if i % every == 0:
+            prof = np.linspace(1.0, 1.3, depth) * np.exp(0.15 * rng.standard_normal(depth))
+            layers = (prof * gn[i] / math.sqrt(depth)).tolist()
+            ratio = float(1e-3 * np.exp(0.3 * rng.standard_normal()))
+        out.append(
+            StepSignals(step=i, loss=float(loss[i]), grad_norm=float(gn[i]), finite=True,
+                        layer_grad_norms=layers, update_ratio=ratio)
+        )
+    return out
+
+
+def run(signals: Iterable[StepSignals], cfg: Detectors | None = None, *, fp16: bool = False) -> list[Decision]:
+    suite = DetectorSuite(cfg or Detectors(), fp16=fp16)
+    return [suite.observe(s) for s in signals]
+
+
+def findings(decisions: list[Decision]) -> list[Finding]:
+    return [f for d in decisions for f in d.findings]
+
+
+def first(decisions: list[Decision], kind: str) -> Finding:
+    hits = [f for f in findings(decisions) if f.kind == kind]
+    assert hits, f"no {kind} finding; got {[(f.step, f.kind) for f in findings(decisions)]}"
+    return hits[0]
+
+
+def edit(series: list[StepSignals], steps: Iterable[int], **change: Any) -> list[StepSignals]:
+    out = list(series)
+    for i in steps:
+        values = {k: (v(out[i]) if callable(v) else v) for k, v in change.items()}
+        out[i] = replace(out[i], **values)
+    return out
+
+
+def cfg_with(**sections: Any) -> Detectors:
+    return Detectors.model_validate(sections)
+
+
+# ------------------------------------------------------------------------------------------- healthy runs
+@pytest.mark.parametrize("seed", SEEDS)
+def test_healthy_noisy_run_has_no_findings(seed: int) -> None:
+    decisions = run(healthy(seed))
+    assert findings(decisions) == []
+    assert all(d.action is Action.record and d.onset_step is None for d in decisions)
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+def test_healthy_run_with_one_bad_batch_only_skips_that_step(seed: int) -> None:
+    """A single batch with loss x5 and grad norm x1000 (the batch_scale fault): skip that update, nothing else;
+    in particular no loss spike (patience) and no oscillation afterwards (the median ignores one outlier)."""
+    series = edit(healthy(seed), [400], loss=lambda s: s.loss * 5, grad_norm=lambda s: s.grad_norm * 1e3)
+    decisions = run(series)
+    assert [(f.step, f.kind) for f in findings(decisions)] == [(400, "grad_norm_spike")]
+    assert decisions[400].action is Action.skip_step
+
+
+# --------------------------------------------------------------------------------------------- nonfinite
+@pytest.mark.parametrize("seed", SEEDS)
+@pytest.mark.parametrize(
+    "change",
+    [
+        {"loss": NAN, "finite": False},
+        {"loss": INF, "finite": False},
+        {"grad_norm": NAN, "finite": False},
+        {"finite": False},  # some rank saw a non-finite grad; the norm itself looked fine
+    ],
+)
+def test_nonfinite_detected_on_the_same_step(seed: int, change: dict[str, Any]) -> None:
+    decisions = run(edit(healthy(seed, n=320), [300], **change))
+    f = first(decisions, "nonfinite")
+    assert (f.step, f.detector, f.action) == (300, "nonfinite", Action.rollback)
+    assert decisions[300].action is Action.rollback and decisions[300].onset_step == 300
+    assert findings(decisions[:300]) == []
+    json.dumps(f.to_event(), allow_nan=False)
+
+
+@pytest.mark.parametrize(("section", "expected"), [({"action": "record"}, "record"), ({"enabled": False}, None)])
+def test_nonfinite_always_at_least_skips(section: dict[str, Any], expected: str | None) -> None:
+    decisions = run(edit(healthy(0, n=200), [150], loss=NAN, finite=False), cfg_with(nonfinite=section))
+    f = first(decisions, "nonfinite")
+    assert f.action is Action.skip_step and decisions[150].action is Action.skip_step
+    if expected:
+        assert f.details["configured_action"] == expected
+
+
+def test_nonfinite_step_does_not_poison_statistics() -> None:
+    series = healthy(1, n=300)
+    suite = DetectorSuite(Detectors())
+    for s in series[:200]:
+        suite.observe(s)
+    before = suite.state_dict()["detectors"]
+    suite.observe(replace(series[200], loss=INF, grad_norm=NAN, finite=False))
+    after = suite.state_dict()["detectors"]
+    for name in ("grad_norm_spike", "loss_spike", "oscillation"):
+        assert after[name]["ema" if name != "oscillation" else "level"] == before[name][
+            "ema" if name != "oscillation" else "level"
+        ]
+    assert after["oscillation"]["diffs"] == before["oscillation"]["diffs"]
+
+
+# ------------------------------------------------------------------------------------------------- fp16
+def fp16_series(seed: int, n: int = 400, overflow_every: int = 25) -> list[StepSignals]:
+    """Healthy fp16 training: an overflow (grads inf, loss finite) every ``overflow_every`` steps, scale ~2^12."""
+    out = []
+    for s in healthy(seed, n=n):
+        ov = s.step % overflow_every == 3
+        out.append(replace(s, loss_scale=4096.0, overflow=ov, finite=not ov, grad_norm=INF if ov else s.grad_norm))
+    return out
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+def test_fp16_occasional_overflow_is_normal(seed: int) -> None:
+    decisions = run(fp16_series(seed), fp16=True)
+    assert findings(decisions) == []
+
+
+def test_fp16_overflow_without_fp16_mode_is_nonfinite() -> None:
+    decisions = run(fp16_series(0, n=100))
+    assert first(decisions, "nonfinite").step == 3
+
+
+def test_fp16_scale_collapse_fires_once() -> None:
+    series = edit(fp16_series(0), range(200, 400), loss_scale=0.25)
+    decisions = run(series, fp16=True)
+    collapse = [f for f in findings(decisions) if f.kind == "loss_scale_collapse"]
+    assert len(collapse) == 1
+    assert (collapse[0].step, collapse[0].value, collapse[0].threshold) == (200, 0.25, 1.0)
+    assert collapse[0].action is Action.rollback
+
+
+def test_fp16_most_steps_overflowing_fires() -> None:
+    series = edit(fp16_series(0), range(300, 320), overflow=True, finite=False, grad_norm=INF)
+    decisions = run(series, fp16=True)
+    f = first(decisions, "loss_scale_collapse")
+    # window 20 (steps 291-310), fraction must exceed 0.5: the 11th overflow in a row
+    assert f.step == 310 and f.value == pytest.approx(11 / 20)
+    assert decisions[310].onset_step == 300
+
+
+def test_fp16_nan_loss_is_still_nonfinite() -> None:
+    series = edit(fp16_series(0, n=150), [120], loss=NAN, overflow=True, finite=False, grad_norm=INF)
+    assert first(run(series, fp16=True), "nonfinite").step == 120
+
+
+# -------------------------------------------------------------------------------------------- grad norm
+@pytest.mark.parametrize("seed", SEEDS)
+def test_grad_times_1e4_detected_on_the_same_step(seed: int) -> None:
+    decisions = run(edit(healthy(seed, n=400), [300], grad_norm=lambda s: s.grad_norm * 1e4))
+    f = first(decisions, "grad_norm_spike")
+    assert (f.step, f.action) == (300, Action.skip_step)
+    assert f.value is not None and f.threshold is not None and f.value > f.threshold
+    assert decisions[300].action is Action.skip_step
+    assert len(findings(decisions)) == 1
+
+
+def test_grad_spike_not_during_warmup() -> None:
+    decisions = run(edit(healthy(0, n=100), [10], grad_norm=lambda s: s.grad_norm * 1e4))
+    assert findings(decisions) == []
+
+
+@pytest.mark.parametrize(("spike_len", "fires_at"), [(2, None), (3, 302), (5, 302)])
+def test_grad_spike_patience(spike_len: int, fires_at: int | None) -> None:
+    cfg = cfg_with(grad_norm_spike={"patience": 3, "action": "record"})
+    decisions = run(edit(healthy(2, n=400), range(300, 300 + spike_len), grad_norm=lambda s: s.grad_norm * 100), cfg)
+    got = [(f.step, f.details["onset_step"]) for f in findings(decisions)]
+    assert got == ([] if fires_at is None else [(fires_at, 300)])  # record: once per episode
+
+
+def test_grad_spike_with_skip_action_fires_on_every_spiking_step_and_keeps_its_baseline() -> None:
+    series = edit(healthy(3, n=400), [300, 301, 302], grad_norm=lambda s: s.grad_norm * 1e3)
+    series = edit(series, [330], grad_norm=lambda s: s.grad_norm * 20)  # smaller, later: still a spike
+    suite = DetectorSuite(Detectors())
+    decisions = [suite.observe(s) for s in series[:300]]
+    level = suite.typical_grad_norm
+    decisions += [suite.observe(s) for s in series[300:]]
+    assert [f.step for f in findings(decisions)] == [300, 301, 302, 330]
+    assert all(d.action is Action.skip_step for d in decisions[300:303])
+    assert level is not None and suite.typical_grad_norm == pytest.approx(level, rel=0.5)
+
+
+# ---------------------------------------------------------------------------------------- loss / divergence
+@pytest.mark.parametrize("seed", SEEDS)
+def test_loss_jump_fires_after_patience_with_onset(seed: int) -> None:
+    series = edit(healthy(seed, n=500), range(400, 500), loss=lambda s: s.loss * 2.5)
+    decisions = run(series)
+    assert findings(decisions[:402]) == []
+    f = first(decisions, "loss_spike")
+    assert (f.step, f.action, f.details["onset_step"]) == (402, Action.rollback, 400)
+    assert decisions[402].onset_step == 400 and decisions[402].action is Action.rollback
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+def test_short_loss_blip_within_patience_is_ignored(seed: int) -> None:
+    series = edit(healthy(seed, n=500), [400, 401], loss=lambda s: s.loss * 2.5)
+    assert findings(run(series)) == []
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+def test_slow_divergence_fires_ratio_test(seed: int) -> None:
+    """A slow upward drift the z-test cannot see (the EMA follows it) ends when the smoothed loss doubles."""
+    base = healthy(seed, n=2000)
+    series = edit(base, range(800, 2000), loss=lambda s: s.loss + 0.004 * (s.step - 800))
+    decisions = run(series)
+    f = first(decisions, "divergence")
+    assert f.value is not None and f.threshold is not None and f.value > f.threshold
+    assert f.details["best_smoothed"] == pytest.approx(1.5, rel=0.05)
+    assert 1100 < f.step < 1700
+    assert 800 < f.details["onset_step"] < 1100 < f.step  # where the smoothed loss left the best, not the crossing
+    assert [x.kind for x in findings(decisions)] == ["divergence"]
+
+
+def test_loss_spike_disabled_is_silent() -> None:
+    series = edit(healthy(0, n=500), range(400, 500), loss=lambda s: s.loss * 2.5)
+    assert findings(run(series, cfg_with(loss_spike={"enabled": False}))) == []
+
+
+def test_loss_in_bounds_for_checkpoint_verdicts() -> None:
+    suite = DetectorSuite(Detectors())
+    for s in healthy(0, n=300):
+        suite.observe(s)
+    assert suite.loss_in_bounds(1.6)
+    assert not suite.loss_in_bounds(5.0)
+    assert not suite.loss_in_bounds(NAN)
+
+
+# ----------------------------------------------------------------------------------------------- vanishing
+def test_depth_slope_sign_convention() -> None:
+    decaying_toward_input = [1e-4, 1e-3, 1e-2, 1e-1]  # input → output
+    assert depth_slope(decaying_toward_input) == pytest.approx(-math.log(10))
+    assert depth_slope(list(reversed(decaying_toward_input))) == pytest.approx(math.log(10))
+    assert depth_slope([0.0, 1e-3, 1e-2, 1e-1]) == pytest.approx(-math.log(10))  # frozen block ignored
+    assert depth_slope([1.0, 2.0]) is None
+    assert diagnose_depth(decaying_toward_input, -0.5) == "vanishing with depth"
+    assert diagnose_depth([1.0, 1.1, 0.9, 1.0], -0.5) is None
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+def test_vanishing_global_norm_respects_patience(seed: int) -> None:
+    series = edit(healthy(seed, n=400), range(200, 400), grad_norm=1e-9)
+    decisions = run(series)
+    hits = [f for f in findings(decisions) if f.kind == "vanishing_gradients"]
+    assert len(hits) == 1  # record: once per episode
+    assert (hits[0].step, hits[0].details["onset_step"], hits[0].action) == (219, 200, Action.record)
+    assert all(d.action is Action.record for d in decisions)
+
+
+def test_vanishing_with_depth_profile() -> None:
+    depth = 8
+
+    def profile(s: StepSignals) -> list[float] | None:
+        return None if s.layer_grad_norms is None else [s.grad_norm * 0.3 ** (depth - 1 - i) for i in range(depth)]
+
+    series = edit(healthy(0, n=400, depth=depth), range(200, 400), layer_grad_norms=profile)
+    hits = [f for f in findings(run(series)) if f.kind == "vanishing_gradients"]
+    assert len(hits) == 1 and hits[0].step == 200
+    assert hits[0].details["diagnosis"] == "vanishing with depth"
+    assert hits[0].value == pytest.approx(math.log(0.3), rel=1e-6)
+
+    # both at once: the global-floor finding carries the depth diagnosis
+    series = edit(series, range(300, 400), grad_norm=1e-9)
+    both = [f for f in findings(run(series)) if f.kind == "vanishing_gradients"]
+    assert both[-1].details["source"] == "global_norm" and both[-1].details["diagnosis"] == "vanishing with depth"
+
+
+# ---------------------------------------------------------------------------------------------- stagnation
+def test_stagnation_after_patience_measurements() -> None:
+    series = edit(healthy(0, n=400), range(200, 400, 10), update_ratio=1e-9)
+    hits = [f for f in findings(run(series)) if f.kind == "stagnation"]
+    assert [(f.step, f.details["onset_step"]) for f in hits] == [(240, 200)]  # patience 5 measurements
+
+
+def test_stagnation_interrupted_run_does_not_fire() -> None:
+    series = edit(healthy(0, n=400), [200, 210, 220, 230, 250, 260], update_ratio=1e-9)
+    assert findings(run(series)) == []
+
+
+# --------------------------------------------------------------------------------------------- oscillation
+@pytest.mark.parametrize("seed", SEEDS)
+def test_oscillation_fires_on_sustained_alternation(seed: int) -> None:
+    series = edit(healthy(seed, n=700), range(500, 700), loss=lambda s: s.loss + (0.5 if s.step % 2 else -0.5))
+    cfg = cfg_with(loss_spike={"enabled": False})  # isolate the oscillation detector
+    f = first(run(series, cfg), "oscillation")
+    assert 500 < f.step <= 500 + 20 + 5
+    assert f.value is not None and f.threshold is not None and f.value > f.threshold
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+def test_oscillation_fires_on_a_noise_burst(seed: int) -> None:
+    rng = np.random.default_rng(100 + seed)
+    noise = rng.standard_normal(700)
+    series = edit(healthy(seed, n=700), range(500, 700), loss=lambda s: s.loss * (1 + 0.3 * noise[s.step]))
+    f = first(run(series, cfg_with(loss_spike={"enabled": False})), "oscillation")
+    assert 500 < f.step < 540
+
+
+# -------------------------------------------------------------------------------------------- escalation
+def test_skip_escalation_to_rollback() -> None:
+    spikes = [300, 305, 310, 320, 330, 340]  # 6 skips within 50 steps; max_skipped_steps 5
+    decisions = run(edit(healthy(4, n=400), spikes, grad_norm=lambda s: s.grad_norm * 1e4))
+    assert [decisions[i].action for i in spikes] == [Action.skip_step] * 5 + [Action.rollback]
+    f = first(decisions, "skip_escalation")
+    assert (f.step, f.value, f.threshold, f.action) == (340, 6.0, 5.0, Action.rollback)
+    assert decisions[340].onset_step == 300
+
+
+def test_spread_out_skips_do_not_escalate() -> None:
+    spikes = [300, 330, 360, 390, 420, 450, 480]  # never more than 2 in any 50-step window
+    decisions = run(edit(healthy(4, n=500), spikes, grad_norm=lambda s: s.grad_norm * 1e4))
+    assert [f.kind for f in findings(decisions)] == ["grad_norm_spike"] * 7
+
+
+def test_nonfinite_skips_count_towards_escalation() -> None:
+    cfg = cfg_with(nonfinite={"action": "skip_step"}, max_skipped_steps=2, skip_window=10)
+    decisions = run(edit(healthy(0, n=300), [200, 203, 206], loss=NAN, finite=False), cfg)
+    assert [decisions[i].action for i in (200, 203, 206)] == [Action.skip_step, Action.skip_step, Action.rollback]
+
+
+# ----------------------------------------------------------------------------------------- state and JSON
+def faulty_stream(seed: int) -> list[StepSignals]:
+    s = healthy(seed, n=900)
+    s = edit(s, [300, 301], grad_norm=lambda x: x.grad_norm * 1e4)
+    s = edit(s, [350], loss=NAN, finite=False)
+    s = edit(s, range(500, 560), update_ratio=lambda x: None if x.update_ratio is None else 1e-9)
+    s = edit(s, range(600, 700), loss=lambda x: x.loss + (0.4 if x.step % 2 else -0.4))
+    return edit(s, range(800, 900), loss=lambda x: x.loss * 3)
+
+
+def events(decisions: list[Decision]) -> list[tuple[str, Any, Any]]:
+    return [(str(d.action), d.onset_step, [f.to_event() for f in d.findings]) for d in decisions]
+
+
+@pytest.mark.parametrize("cut", [120, 301, 350, 640, 801])
+def test_state_round_trip_gives_identical_decisions(cut: int) -> None:
+    cfg = cfg_with(nonfinite={"action": "skip_step"}, loss_spike={"action": "record"})
+    stream = faulty_stream(7)
+    straight = DetectorSuite(cfg)
+    a = [straight.observe(s) for s in stream]
+
+    first_half = DetectorSuite(cfg)
+    b = [first_half.observe(s) for s in stream[:cut]]
+    saved = json.loads(json.dumps(first_half.state_dict(), allow_nan=False))
+    resumed = DetectorSuite(cfg)
+    resumed.load_state_dict(saved)
+    b += [resumed.observe(s) for s in stream[cut:]]
+
+    assert events(a) == events(b)
+    assert straight.state_dict() == resumed.state_dict()
+    kinds = {f.kind for f in findings(a)}
+    assert {"grad_norm_spike", "nonfinite", "stagnation", "oscillation", "loss_spike"} <= kinds
+
+
+def test_state_is_strict_json_even_after_nonfinite_steps() -> None:
+    suite = DetectorSuite(Detectors(), fp16=True)
+    for s in fp16_series(0, n=60):
+        suite.observe(s)
+    suite.observe(StepSignals(step=60, loss=NAN, grad_norm=INF, finite=False, overflow=True, loss_scale=1.0))
+    json.dumps(suite.state_dict(), allow_nan=False)
+
+
+@pytest.mark.parametrize(
+    "mutate",
+    [
+        lambda d: d.pop("detectors"),
+        lambda d: d.update(version=99),
+        lambda d: d["detectors"]["loss_spike"]["ema"].update(var=-1.0),
+        lambda d: d["detectors"]["oscillation"].update(diffs="nope"),
+    ],
+)
+def test_bad_state_is_a_clear_error(mutate: Callable[[dict[str, Any]], Any]) -> None:
+    state = DetectorSuite(Detectors()).state_dict()
+    mutate(state)
+    with pytest.raises(ValueError, match="invalid detector state"):
+        DetectorSuite(Detectors()).load_state_dict(state)
+
+
+def test_finding_event_shape_and_strongest_action() -> None:
+    series = edit(healthy(0, n=400), [300], loss=NAN, finite=False, grad_norm=NAN, rank=1)
+    series = edit(series, range(300, 400), update_ratio=lambda x: None if x.update_ratio is None else 1e-9)
+    d = run(series, cfg_with(stagnation={"patience": 1}))[300]
+    assert {f.kind for f in d.findings} == {"nonfinite", "stagnation"}
+    assert d.action is Action.rollback and d.onset_step == 300  # the rollback finding's onset, not stagnation's
+    ev = next(f.to_event() for f in d.findings if f.kind == "nonfinite")
+    assert set(ev) == {"step", "rank", "kind", "detector", "value", "threshold", "action", "details"}
+    assert ev["rank"] == 1 and ev["action"] == "rollback" and ev["details"]["loss"] == "nan"
+    assert ev["details"]["config"]["action"] == "rollback"
+    json.dumps(ev, allow_nan=False)

@@ -1,0 +1,249 @@
+"""Gradient norms and clipping: fused multi-tensor norms, and the five clipping methods of the recipe.
+
+Everything on the per-step path stays on the device: norms come from one ``torch._foreach_norm`` call, scaling
+from ``torch._foreach_mul_`` with a 0-dim tensor, and the z-score EMA lives in 0-dim tensors updated with
+``torch.where``. The loop can therefore gather loss, norms and finite flags into one tensor and sync once per
+step. Only the every-k-steps telemetry helpers (``per_layer_norms``, ``block_grad_norms``, ``update_ratio``)
+come back to the host, with a single ``.tolist()`` each.
+
+Order in the loop: backward → ``LossScaler.unscale_`` → ``pre = grad_norms(params)`` → ``clipper.clip(pre)``;
+the detectors see ``global_norm(pre)`` (the pre-clip norm) and the telemetry reports both.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from orchestrator.recipe import ClipMethod, Clipping
+
+_EPS = 1e-6
+"""Added to norms in divisions, as ``torch.nn.utils.clip_grad_norm_`` does."""
+ZSCORE_STD_FLOOR = 0.01
+"""Z-score clipping: the std used is at least this fraction of the EMA mean, so a run whose norms were
+identical during warmup (zero variance) is not clipped at every tiny fluctuation."""
+
+
+def _grads(params: Iterable[Tensor]) -> list[Tensor]:
+    return [p.grad for p in params if p.grad is not None]
+
+
+def _stack_norms(tensors: Sequence[Tensor]) -> Tensor:
+    if not tensors:
+        return torch.zeros(0, dtype=torch.float32)
+    norms = torch._foreach_norm(list(tensors), 2.0, dtype=torch.float32)
+    device = norms[0].device
+    return torch.stack([n if n.device == device else n.to(device) for n in norms])
+
+
+def grad_norms(params: Iterable[Tensor]) -> Tensor:
+    """Per-tensor L2 norms (float32) of the gradients of ``params``, stacked; parameters without a grad are
+    skipped, so the i-th entry belongs to the i-th parameter *that has a grad*."""
+    return _stack_norms(_grads(params))
+
+
+def global_norm(stacked: Tensor) -> Tensor:
+    """The global L2 norm (0-dim) from stacked per-tensor norms: sqrt of the sum of their squares."""
+    if stacked.numel() == 0:
+        return torch.zeros((), dtype=torch.float32, device=stacked.device)
+    norm: Tensor = torch.linalg.vector_norm(stacked.float(), 2.0)
+    return norm
+
+
+def _mul_(grads: list[Tensor], coef: Tensor) -> None:
+    """In-place ``g *= coef`` for every grad, grouped by device (the common case is a single group)."""
+    by_device: dict[torch.device, list[Tensor]] = {}
+    for g in grads:
+        by_device.setdefault(g.device, []).append(g)
+    for device, group in by_device.items():
+        torch._foreach_mul_(group, coef.to(device))
+
+
+class Clipper:
+    """Clips gradients in place according to ``cfg.method`` and returns the post-clip global norm.
+
+    ``clip(pre_norms)`` takes the stacked per-tensor norms from ``grad_norms`` over the same parameters, in the
+    same order (``[p for _, p in named_params]``); a 0-dim global norm is accepted too and the per-tensor norms
+    are then computed here when the method needs them. Methods:
+
+    - ``none``: nothing is changed.
+    - ``global_norm``: ``torch.nn.utils.clip_grad_norm_`` semantics: scale all grads by
+      ``min(1, max_norm / (norm + 1e-6))``.
+    - ``per_layer``: each parameter tensor separately to ``max_norm``.
+    - ``adaptive`` (AGC, Brock et al. 2021): per output unit (row of a >=2-D weight; the whole tensor for 1-D
+      parameters) the grad norm is capped at ``agc_lambda * max(weight norm, agc_eps)``.
+    - ``zscore``: the bound is ``min(max_norm, mean + zscore_threshold * std)`` of an EMA (``zscore_alpha``) of the
+      global norm; ``max_norm`` is a hard ceiling, so z-score clipping never lets through more than
+      ``global_norm`` clipping would. During the first ``zscore_warmup`` finite steps the bound is ``max_norm``.
+      The EMA absorbs the *clipped* norm ``min(norm, bound)`` (as ZClip does), so an outlier moves it by at most
+      one bound's worth; non-finite norms are not absorbed at all.
+
+    Non-finite grads are scaled by a NaN coefficient like ``clip_grad_norm_`` would; the loop skips that update.
+    """
+
+    def __init__(self, cfg: Clipping, named_params: Sequence[tuple[str, nn.Parameter]]) -> None:
+        self.cfg = cfg
+        self.method = ClipMethod(cfg.method)
+        self.names = [n for n, _ in named_params]
+        self.params = [p for _, p in named_params]
+        self._z_mean = 0.0
+        self._z_var = 0.0
+        self._z_count = 0
+        self._z: tuple[Tensor, Tensor, Tensor] | None = None  # (mean, var, count) on the grads' device
+
+    # ---------------------------------------------------------------------------------------------- clipping
+    def clip(self, pre_norms: Tensor) -> Tensor:
+        """Clip the current grads in place; returns the post-clip global norm (0-dim, no host sync)."""
+        grads = _grads(self.params)
+        if pre_norms.dim() == 0:
+            total = pre_norms.float()
+            per_tensor: Tensor | None = None
+        else:
+            if pre_norms.numel() != len(grads):
+                raise ValueError(
+                    f"pre_norms has {pre_norms.numel()} entries but {len(grads)} parameters have grads; "
+                    "compute it with grad_norms() over the Clipper's parameters"
+                )
+            per_tensor = pre_norms.float()
+            total = global_norm(per_tensor)
+        if not grads or self.method is ClipMethod.none:
+            return total
+        if self.method is ClipMethod.global_norm:
+            return self._clip_to(grads, total, torch.full_like(total, self.cfg.max_norm))
+        if self.method is ClipMethod.per_layer:
+            if per_tensor is None:
+                per_tensor = _stack_norms(grads)
+            coefs = (self.cfg.max_norm / (per_tensor + _EPS)).clamp(max=1.0)
+            torch._foreach_mul_(grads, [c.to(g.device) for c, g in zip(coefs.unbind(0), grads, strict=True)])
+            return global_norm(per_tensor * coefs)
+        if self.method is ClipMethod.adaptive:
+            return self._clip_agc()
+        return self._clip_zscore(grads, total)
+
+    def _clip_to(self, grads: list[Tensor], total: Tensor, bound: Tensor) -> Tensor:
+        coef = (bound / (total + _EPS)).clamp(max=1.0)
+        _mul_(grads, coef)
+        return total * coef
+
+    def _clip_agc(self) -> Tensor:
+        lam, eps = self.cfg.agc_lambda, self.cfg.agc_eps
+        post_sq: list[Tensor] = []
+        for p in self.params:
+            g = p.grad
+            if g is None:
+                continue
+            dims = tuple(range(1, p.dim())) if p.dim() >= 2 else None
+            w_norm = torch.linalg.vector_norm(p.detach().float(), 2.0, dim=dims, keepdim=True).clamp_min(eps)
+            g_norm = torch.linalg.vector_norm(g.float(), 2.0, dim=dims, keepdim=True)
+            scale = (w_norm * lam / g_norm.clamp_min(_EPS)).clamp(max=1.0)
+            g.mul_(scale.to(g.dtype))
+            post_sq.append(((g_norm * scale) ** 2).sum())
+        return torch.stack(post_sq).sum().sqrt()
+
+    def _zstate(self, device: torch.device) -> tuple[Tensor, Tensor, Tensor]:
+        if self._z is None or self._z[0].device != device:
+            vals = [self._z_mean, self._z_var, float(self._z_count)]
+            mean, var, count = (torch.tensor(v, dtype=torch.float32, device=device) for v in vals)
+            self._z = (mean, var, count)
+        return self._z
+
+    def _clip_zscore(self, grads: list[Tensor], total: Tensor) -> Tensor:
+        cfg = self.cfg
+        mean, var, count = self._zstate(total.device)
+        std = torch.maximum(var.sqrt(), mean.abs() * ZSCORE_STD_FLOOR)
+        ceiling = torch.full_like(total, cfg.max_norm)
+        in_warmup = count < max(cfg.zscore_warmup, 1)
+        bound = torch.where(in_warmup, ceiling, torch.minimum(mean + cfg.zscore_threshold * std, ceiling))
+        post = self._clip_to(grads, total, bound)
+        # EMA of the clipped norm; alpha starts at 1/(n+1) (a plain running mean) so early estimates are unbiased
+        finite = torch.isfinite(total)
+        x = torch.minimum(total, bound)
+        alpha = torch.clamp(1.0 / (count + 1.0), min=cfg.zscore_alpha)
+        delta = x - mean
+        new_mean = mean + alpha * delta
+        new_var = (1.0 - alpha) * (var + alpha * delta * delta)
+        self._z = (
+            torch.where(finite, new_mean, mean),
+            torch.where(finite, new_var, var),
+            count + finite.float(),
+        )
+        return post
+
+    # ------------------------------------------------------------------------------------------------- state
+    def state_dict(self) -> dict[str, Any]:
+        """The z-score EMA as plain Python numbers (a host sync: call it only when checkpointing)."""
+        if self._z is not None:
+            mean, var, count = (float(t) for t in self._z)
+            self._z_mean, self._z_var, self._z_count = mean, var, int(count)
+        return {"zscore_mean": self._z_mean, "zscore_var": self._z_var, "zscore_count": self._z_count}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        try:
+            mean = float(state["zscore_mean"])
+            var = float(state["zscore_var"])
+            count = int(state["zscore_count"])
+        except (KeyError, TypeError, ValueError) as exc:
+            raise ValueError(f"invalid clipper state (need zscore_mean, zscore_var, zscore_count): {exc}") from None
+        if not (math.isfinite(mean) and math.isfinite(var) and var >= 0.0 and count >= 0):
+            raise ValueError(f"invalid clipper state: mean={mean}, var={var}, count={count}")
+        self._z_mean, self._z_var, self._z_count = mean, var, count
+        self._z = None
+
+    @property
+    def zscore_bound(self) -> float | None:
+        """The z-score bound the next step would use (host sync; for tests and telemetry), None before warmup."""
+        st = self.state_dict()
+        mean, var, count = float(st["zscore_mean"]), float(st["zscore_var"]), int(st["zscore_count"])
+        if count < max(self.cfg.zscore_warmup, 1):
+            return None
+        std = max(math.sqrt(var), abs(mean) * ZSCORE_STD_FLOOR)
+        return min(mean + self.cfg.zscore_threshold * std, self.cfg.max_norm)
+
+
+# ---------------------------------------------------------------------------------------- telemetry helpers
+def per_layer_norms(named_params: Iterable[tuple[str, nn.Parameter]]) -> dict[str, float]:
+    """Grad norm per named parameter (those with a grad), for the every-k-steps ``layer_stats`` event."""
+    named = [(n, p.grad) for n, p in named_params if p.grad is not None]
+    values = _stack_norms([g for _, g in named]).tolist()
+    return {n: float(v) for (n, _), v in zip(named, values, strict=True)}
+
+
+def block_grad_norms(blocks: Sequence[nn.Module]) -> list[float]:
+    """Grad norm of each block (all its parameters together), in the given (input→output) order; a block with
+    no grads (frozen) gets 0.0, which the depth-profile fit ignores. One host sync."""
+    grads_per_block = [_grads(b.parameters()) for b in blocks]
+    flat = [g for gs in grads_per_block for g in gs]
+    if not flat:
+        return [0.0] * len(blocks)
+    sq = _stack_norms(flat) ** 2
+    sums: list[Tensor] = []
+    i = 0
+    zero = torch.zeros((), dtype=torch.float32, device=sq.device)
+    for gs in grads_per_block:
+        sums.append(sq[i : i + len(gs)].sum() if gs else zero)
+        i += len(gs)
+    return [float(v) for v in torch.stack(sums).sqrt().tolist()]
+
+
+def param_snapshot(params: Iterable[Tensor]) -> list[Tensor]:
+    """Detached copies of the parameters, taken before ``optimizer.step()`` on a layer-stats step only (it costs
+    one copy of the weights), for ``update_ratio``."""
+    return [p.detach().clone() for p in params]
+
+
+def update_ratio(before: Sequence[Tensor], params: Iterable[Tensor]) -> float:
+    """``||w_after - w_before|| / ||w_after||`` over all parameters (global L2 norms) after ``optimizer.step()``:
+    the update-to-weight ratio the stagnation detector watches. One host sync."""
+    after = [p.detach() for p in params]
+    if len(after) != len(before):
+        raise ValueError(f"snapshot has {len(before)} tensors but there are {len(after)} parameters")
+    if not after:
+        return 0.0
+    diffs = torch._foreach_sub(after, list(before))
+    num = global_norm(_stack_norms(diffs))
+    den = global_norm(_stack_norms(after))
+    return float((num / den.clamp_min(1e-12)).item())
