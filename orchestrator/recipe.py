@@ -9,6 +9,7 @@ its field path and, where known, its line.
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 from enum import StrEnum
 from typing import Annotated, Any, Literal
@@ -17,7 +18,9 @@ import yaml
 from pydantic import (
     BaseModel,
     ConfigDict,
+    Discriminator,
     Field,
+    Tag,
     ValidationError,
     ValidationInfo,
     field_validator,
@@ -31,7 +34,9 @@ _IMPORT_RE = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")
 
 
 class _Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True, populate_by_name=True)
+    model_config = ConfigDict(
+        extra="forbid", use_attribute_docstrings=True, populate_by_name=True, allow_inf_nan=False
+    )
 
 
 # --------------------------------------------------------------------------------------------------- model
@@ -134,8 +139,33 @@ class CustomModel(_Section):
         return _check_import_string(v, info)
 
 
+_MODEL_NAMES = ("tiny_gpt", "deep_mlp", "rnn", "linear", "custom")
+_DATA_NAMES = ("markov", "regression", "sequence", "custom")
+
+
+def _name_tag(default: str) -> Callable[[Any], str | None]:
+    """Discriminate on ``name``, defaulting to ``default`` when the section omits it."""
+
+    def tag(value: Any) -> str | None:
+        if isinstance(value, dict):
+            name = value.get("name", default)
+            return name if isinstance(name, str) else None
+        return getattr(value, "name", None)
+
+    return tag
+
+
 ModelSpec = Annotated[
-    TinyGPTModel | DeepMLPModel | RecurrentModel | LinearModel | CustomModel, Field(discriminator="name")
+    Annotated[TinyGPTModel, Tag("tiny_gpt")]
+    | Annotated[DeepMLPModel, Tag("deep_mlp")]
+    | Annotated[RecurrentModel, Tag("rnn")]
+    | Annotated[LinearModel, Tag("linear")]
+    | Annotated[CustomModel, Tag("custom")],
+    Discriminator(
+        _name_tag("tiny_gpt"),
+        custom_error_type="invalid_name",
+        custom_error_message="unknown model name; expected one of: tiny_gpt, deep_mlp, rnn, linear, custom",
+    ),
 ]
 
 
@@ -202,7 +232,17 @@ class CustomData(_Section):
         return _check_import_string(v, info)
 
 
-DataSpec = Annotated[MarkovData | RegressionData | SequenceData | CustomData, Field(discriminator="name")]
+DataSpec = Annotated[
+    Annotated[MarkovData, Tag("markov")]
+    | Annotated[RegressionData, Tag("regression")]
+    | Annotated[SequenceData, Tag("sequence")]
+    | Annotated[CustomData, Tag("custom")],
+    Discriminator(
+        _name_tag("markov"),
+        custom_error_type="invalid_name",
+        custom_error_message="unknown data name; expected one of: markov, regression, sequence, custom",
+    ),
+]
 
 _COMPATIBLE_DATA = {"tiny_gpt": {"markov"}, "deep_mlp": {"regression"}, "linear": {"regression"}, "rnn": {"sequence"}}
 
@@ -678,6 +718,26 @@ class Recipe(_Section):
     faults: list[Fault] = Field(default_factory=list, max_length=64)
     """Injected faults (tests and demos)."""
 
+    @model_validator(mode="before")
+    @classmethod
+    def _check_union_sections(cls, data: Any) -> Any:
+        """Name the offending value when model/data is not a mapping or names an unknown kind."""
+        if not isinstance(data, dict):
+            return data
+        errors: list[tuple[str, str]] = []
+        for section, known in (("model", _MODEL_NAMES), ("data", _DATA_NAMES)):
+            value = data.get(section)
+            if value is None or isinstance(value, BaseModel):
+                continue
+            if not isinstance(value, dict):
+                errors.append((section, f"Input should be a valid dictionary (a mapping), got {type(value).__name__}"))
+            elif "name" in value and value["name"] not in known:
+                msg = f"unknown {section} {value['name']!r}; expected one of: {', '.join(known)}"
+                errors.append((f"{section}.name", msg))
+        if errors:
+            raise CrossFieldErrors(errors)
+        return data
+
     @model_validator(mode="after")
     def _cross_checks(self) -> Recipe:
         errors: list[tuple[str, str]] = []
@@ -804,10 +864,22 @@ _TAG_PARTS = {"tiny_gpt", "deep_mlp", "rnn", "linear", "custom", "markov", "regr
               "grad_scale", "batch_scale", "kill_worker", "corrupt_checkpoint"}
 
 
+def _document_loc(loc: tuple[Any, ...]) -> tuple[Any, ...]:
+    """Drop the union tags pydantic inserts after ``model``, ``data`` and ``faults.N`` (they are not keys)."""
+    out: list[Any] = []
+    for i, part in enumerate(loc):
+        prev = loc[i - 1] if i else None
+        after_union = prev in ("model", "data") and i == 1 or (isinstance(prev, int) and i == 2 and loc[0] == "faults")
+        if part in _TAG_PARTS and after_union:
+            continue
+        out.append(part)
+    return tuple(out)
+
+
 def _errors_from_validation(exc: ValidationError, root: Any) -> list[FieldError]:
     out: list[FieldError] = []
     for err in exc.errors(include_url=False):
-        loc = tuple(p for p in err["loc"] if p not in _TAG_PARTS)
+        loc = _document_loc(tuple(err["loc"]))
         msg = err["msg"]
         if msg.startswith("Value error, "):
             msg = msg[len("Value error, ") :]

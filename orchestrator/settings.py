@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import json
 import os
 from enum import StrEnum
 from functools import lru_cache
 from pathlib import Path
+from typing import Annotated, Any
 
-from pydantic import Field, SecretStr, field_validator, model_validator
-from pydantic_settings import BaseSettings, SettingsConfigDict
+from pydantic import Field, SecretStr, ValidationError, field_validator, model_validator
+from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 
 class AuthMode(StrEnum):
@@ -51,9 +53,10 @@ class Settings(BaseSettings):
         default=SecretStr("ballast-local-pepper"),
         description="Secret mixed into stored token hashes. Must be changed outside local mode.",
     )
-    allowed_import_modules: list[str] = Field(
+    allowed_import_modules: Annotated[list[str], NoDecode] = Field(
         default_factory=list,
-        description="Module prefixes a recipe may name in `module:function` import strings (empty: none).",
+        description="Module prefixes a recipe may name in `module:function` import strings (empty: none). "
+        "Comma-separated (`mylab,team.models`) or a JSON list.",
     )
     metrics_every_steps: int = Field(
         default=1, ge=1, description="Downsampling of per-step metrics written to the store (1 = every step)."
@@ -66,6 +69,17 @@ class Settings(BaseSettings):
         for prefix in ("postgres://", "postgresql://"):
             if v.startswith(prefix):
                 return "postgresql+psycopg://" + v[len(prefix) :]
+        return v
+
+    @field_validator("allowed_import_modules", mode="before")
+    @classmethod
+    def _split_modules(cls, v: Any) -> Any:
+        # env values arrive as one string; a plain comma list is what operators type
+        if isinstance(v, str):
+            text = v.strip()
+            if text.startswith("["):
+                return json.loads(text)  # a JSONDecodeError is a ValueError: reported as a field error
+            return [part.strip() for part in text.split(",") if part.strip()]
         return v
 
     @model_validator(mode="after")
@@ -93,6 +107,17 @@ class Settings(BaseSettings):
             )
         if self.token_pepper.get_secret_value() == "ballast-local-pepper":
             raise ValueError("BALLAST_TOKEN_PEPPER must be set to a secret value outside local mode")
+
+
+def settings_error_lines(exc: ValidationError) -> list[str]:
+    """One line per invalid setting, named as the environment variable the operator sets."""
+    lines = []
+    for err in exc.errors(include_url=False):
+        field = str(err["loc"][0]) if err["loc"] else ""
+        name = f"BALLAST_{field.upper()}" if field else "settings"
+        msg = err["msg"].removeprefix("Value error, ")
+        lines.append(f"{name}: {msg}")
+    return lines
 
 
 @lru_cache(maxsize=1)

@@ -31,8 +31,9 @@ def make_engine(url: str, **kwargs: Any) -> sa.Engine:
 
         return engine
     kwargs.setdefault("pool_pre_ping", True)
-    kwargs.setdefault("pool_size", 20)
-    kwargs.setdefault("max_overflow", 20)
+    if "poolclass" not in kwargs:  # sizing only applies to the default QueuePool (not e.g. NullPool)
+        kwargs.setdefault("pool_size", 20)
+        kwargs.setdefault("max_overflow", 20)
     return sa.create_engine(url, **kwargs)
 
 
