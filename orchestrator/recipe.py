@@ -334,7 +334,7 @@ class Schedule(_Section):
     @model_validator(mode="before")
     @classmethod
     def _apply_preset(cls, data: Any) -> Any:
-        if isinstance(data, dict) and data.get("preset") in SCHEDULE_PRESETS:
+        if isinstance(data, dict) and isinstance(data.get("preset"), str) and data["preset"] in SCHEDULE_PRESETS:
             defaults = dict(SCHEDULE_PRESETS[data["preset"]])
             if "warmup_steps" in data and data["warmup_steps"] is not None:
                 defaults.pop("warmup_fraction")

@@ -1,0 +1,172 @@
+"""The FastAPI application: ``create_app(settings, session_factory)``.
+
+``app.state`` holds what routes and hooks need: ``settings``, ``session_factory`` (built from
+``settings.database_url`` in the lifespan unless one is passed in), ``engine`` (when the lifespan built it),
+``metrics`` (the app's Prometheus registry), ``event_poll_seconds`` (SSE poll period) and
+``lifespan_hooks``: async context-manager factories ``hook(app)`` entered after the database is set up and
+exited at shutdown, in reverse order. ``ballast serve`` uses a hook to run the scheduler in the same process.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Callable, Sequence
+from contextlib import AbstractAsyncContextManager, AsyncExitStack, asynccontextmanager
+from typing import Any
+
+from fastapi import FastAPI
+from fastapi.openapi.utils import get_openapi
+from sqlalchemy.orm import Session, sessionmaker
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+import api
+from api.auth import TokenCache
+from api.errors import install_error_handlers, problem_response
+from api.metrics import AppMetrics, LatencyMiddleware
+from api.routes import API_PREFIX, api_router, health_router
+from api.schemas import Problem
+from orchestrator.recipe import Recipe
+from orchestrator.settings import Settings, get_settings
+from orchestrator.store.db import make_engine, make_session_factory
+
+LifespanHook = Callable[[FastAPI], AbstractAsyncContextManager[Any]]
+
+DESCRIPTION = """\
+Ballast keeps training runs from blowing up: submit a **stability recipe** (YAML or JSON), and the orchestrator
+runs it on Ray Train, detects divergence, rolls back to a healthy checkpoint and retries with tightened
+settings.
+
+* Authentication: `Authorization: Bearer <token>` (tokens from `ballast token create`), unless the server runs
+  with auth off on a loopback address. Scopes: `read`, `submit`, `admin`. A principal sees only its own runs.
+* Errors are [RFC 9457](https://www.rfc-editor.org/rfc/rfc9457) problem documents
+  (`application/problem+json`); invalid input lists each field in `errors` with its path (and YAML line).
+* Lists return `{"data": [...], "count": n, "next": cursor}`; pass `next` back as `cursor`.
+"""
+
+
+class BodyTooLarge(StarletteHTTPException):
+    """Raised from ``receive`` when a body grows past the limit (FastAPI re-raises HTTP exceptions as-is)."""
+
+    def __init__(self, limit: int) -> None:
+        super().__init__(413, f"the request body is over the limit of {limit} bytes")
+
+
+class BodyLimitMiddleware:
+    """413 for bodies over ``max_bytes``: at once from a declared Content-Length, else as bytes arrive.
+
+    Every body the API accepts is at most a recipe, so the recipe limit bounds them all.
+    """
+
+    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
+        self.app = app
+        self.max_bytes = max_bytes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        for name, value in scope["headers"]:
+            if name == b"content-length" and value.isdigit() and int(value) > self.max_bytes:
+                resp = problem_response(
+                    None, 413, slug="too-large",
+                    detail=f"the request body is {int(value)} bytes, over the limit of {self.max_bytes}",
+                )
+                await resp(scope, receive, send)
+                return
+        seen = 0
+
+        async def limited() -> Message:
+            nonlocal seen
+            message = await receive()
+            if message["type"] == "http.request":
+                seen += len(message.get("body", b""))
+                if seen > self.max_bytes:
+                    raise BodyTooLarge(self.max_bytes)
+            return message
+
+        await self.app(scope, limited, send)
+
+
+@asynccontextmanager
+async def _lifespan(app: FastAPI) -> AsyncIterator[None]:
+    engine = None
+    if app.state.session_factory is None:
+        engine = make_engine(app.state.settings.database_url)
+        app.state.engine = engine
+        app.state.session_factory = make_session_factory(engine)
+    try:
+        async with AsyncExitStack() as stack:
+            for hook in list(app.state.lifespan_hooks):
+                await stack.enter_async_context(hook(app))
+            yield
+    finally:
+        if engine is not None:
+            app.state.session_factory = None
+            app.state.engine = None
+            engine.dispose()
+
+
+def _openapi(app: FastAPI) -> Callable[[], dict[str, Any]]:
+    """The generated schema plus the recipe schema (request bodies are read by hand, so FastAPI cannot see it)
+    and the problem document, both referenced from ``#/components/schemas``."""
+
+    def build() -> dict[str, Any]:
+        if app.openapi_schema:
+            return app.openapi_schema
+        schema = get_openapi(
+            title=app.title, version=app.version, description=app.description, routes=app.routes,
+            tags=app.openapi_tags,
+        )
+        components = schema.setdefault("components", {}).setdefault("schemas", {})
+        for model, name in ((Recipe, "Recipe"), (Problem, "Problem")):
+            doc = model.model_json_schema(by_alias=True, ref_template="#/components/schemas/{model}")
+            for def_name, def_schema in doc.pop("$defs", {}).items():
+                if components.setdefault(def_name, def_schema) != def_schema:
+                    raise RuntimeError(f"OpenAPI schema name clash: {def_name}")
+            components[name] = doc
+        app.openapi_schema = schema
+        return schema
+
+    return build
+
+
+def create_app(
+    settings: Settings | None = None,
+    session_factory: sessionmaker[Session] | None = None,
+    *,
+    hooks: Sequence[LifespanHook] = (),
+) -> FastAPI:
+    """Build the API. Refuses (ValueError) settings that are unsafe to serve, e.g. auth off on a public bind."""
+    settings = settings or get_settings()
+    settings.check_serving_safety()
+    app = FastAPI(
+        title="Ballast",
+        version=getattr(api, "__version__", "0.1.0"),
+        description=DESCRIPTION,
+        lifespan=_lifespan,
+        openapi_tags=[
+            {"name": "runs", "description": "Submit, list, inspect, cancel and retry runs."},
+            {"name": "recipes", "description": "Validate recipes; the recipe schema."},
+            {"name": "attempts", "description": "Each try at a run."},
+            {"name": "anomalies", "description": "What the detectors found."},
+            {"name": "checkpoints", "description": "Saved checkpoints and their health."},
+            {"name": "metrics", "description": "Per-step metric series."},
+            {"name": "events", "description": "Live event stream (SSE)."},
+            {"name": "tokens", "description": "API tokens (admin)."},
+            {"name": "health", "description": "Probes and Prometheus metrics."},
+        ],
+    )
+    app.state.settings = settings
+    app.state.session_factory = session_factory
+    app.state.engine = None
+    app.state.event_poll_seconds = 0.5
+    app.state.lifespan_hooks = list(hooks)
+    app.state.metrics = AppMetrics(lambda: app.state.session_factory)
+    app.state.token_cache = TokenCache()
+    install_error_handlers(app)
+    app.include_router(api_router)
+    app.include_router(health_router)
+    app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_recipe_bytes)
+    app.add_middleware(LatencyMiddleware, metrics=app.state.metrics, prefix=API_PREFIX)
+    app.openapi = _openapi(app)  # type: ignore[method-assign]
+    return app

@@ -1,0 +1,303 @@
+"""REST API throughput and latency against PostgreSQL, side by side with a bare FastAPI endpoint.
+
+Two uvicorn servers run as subprocesses, one after the other, on the same machine and with the same uvicorn
+settings: the Ballast app (token auth on, PostgreSQL store) and a bare FastAPI app whose endpoints do no I/O
+(the floor the framework and server set). For each, ``CONCURRENCY`` keep-alive connections send a bounded number
+of requests back to back:
+
+* ``GET /api/v1/runs/{id}``: token lookup, the run with its recipe, current attempt and anomaly counts;
+  bare: ``GET /bare/{id}`` returning a small model.
+* ``POST /api/v1/runs``: parse and validate a JSON recipe, insert recipe, run and event; bare: ``POST /bare``
+  parsing the same JSON body into a dict.
+
+The load generator is a minimal asyncio HTTP/1.1 client (pre-built request bytes, Content-Length responses) so
+that it takes as little of the shared CPU as possible; it still runs on the same 2 cores as the server, so the
+numbers are a lower bound for a server with the machine to itself.
+
+Usage: ``python benchmarks/bench_api.py [--get N] [--post N] [--concurrency C] [--workers W] [--json]``.
+Needs the PostgreSQL server of the tests (``BALLAST_TEST_PG_URL``, default ``postgres@127.0.0.1:5432``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+import sqlalchemy as sa  # noqa: E402
+from fastapi import FastAPI  # noqa: E402
+from pydantic import BaseModel  # noqa: E402
+
+PG_ADMIN_URL = os.environ.get("BALLAST_TEST_PG_URL", "postgresql+psycopg://postgres@127.0.0.1:5432/postgres")
+PEPPER = "bench-pepper"
+RECIPE: dict[str, Any] = {
+    "apiVersion": "ballast/v1",
+    "kind": "StabilityRecipe",
+    "name": "bench",
+    "model": {"name": "tiny_gpt", "n_layers": 2, "d_model": 64},
+    "data": {"name": "markov", "vocab_size": 64},
+    "training": {"max_steps": 200, "batch_size": 16},
+    "optimizer": {"name": "adamw", "lr": 0.003},
+}
+
+
+# ------------------------------------------------------------------------------------------- the two apps
+def ballast_app() -> FastAPI:
+    """uvicorn factory: the real app, configured from the environment (BALLAST_DATABASE_URL, token auth)."""
+    from api.app import create_app
+    from orchestrator.settings import Settings
+
+    return create_app(Settings())
+
+
+class _Item(BaseModel):
+    id: int
+    name: str
+    state: str
+
+
+def bare_app() -> FastAPI:
+    """uvicorn factory: FastAPI with two endpoints that do no I/O, both sync like the Ballast routes."""
+    app = FastAPI()
+
+    @app.get("/bare/{item_id}")
+    def get_item(item_id: int) -> _Item:
+        return _Item(id=item_id, name="bench", state="queued")
+
+    @app.post("/bare", status_code=201)
+    def post_item(body: dict[str, Any]) -> _Item:
+        return _Item(id=1, name=str(body.get("name")), state="queued")
+
+    return app
+
+
+# --------------------------------------------------------------------------------------------- the database
+@contextmanager
+def pg_database() -> Iterator[str]:
+    name = f"ballast_bench_{uuid.uuid4().hex[:10]}"
+    admin = sa.create_engine(PG_ADMIN_URL, isolation_level="AUTOCOMMIT")
+    with admin.connect() as conn:
+        conn.execute(sa.text(f'CREATE DATABASE "{name}"'))
+    url = sa.engine.make_url(PG_ADMIN_URL).set(database=name).render_as_string(hide_password=False)
+    try:
+        yield url
+    finally:
+        with admin.connect() as conn:
+            conn.execute(sa.text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
+        admin.dispose()
+
+
+def prepare(url: str) -> tuple[str, int]:
+    """Migrate, issue an admin token and submit one run to read back; returns (token, run id)."""
+    import migrations
+    from api.auth import issue_token
+    from orchestrator.recipe import validate_recipe_data
+    from orchestrator.store import repo
+    from orchestrator.store.db import make_engine, make_session_factory, transaction
+
+    migrations.upgrade(url)
+    engine = make_engine(url)
+    with transaction(make_session_factory(engine)) as s:
+        _, token = issue_token(session=s, pepper=PEPPER, name="bench", principal="bench", scopes=["read", "submit"])
+        run, _ = repo.create_run(session=s, owner="bench", recipe=validate_recipe_data(RECIPE), text=json.dumps(RECIPE))
+        run_id = run.id
+    engine.dispose()
+    return token, run_id
+
+
+# ------------------------------------------------------------------------------------------------- servers
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def process_cpu_seconds(pid: int) -> float:
+    """User + system CPU time of a process and its children (uvicorn's workers), from /proc."""
+    total = 0.0
+    pids = [pid]
+    try:
+        children = subprocess.run(["pgrep", "-P", str(pid)], capture_output=True, text=True).stdout
+        pids += [int(p) for p in children.split()]
+    except OSError:
+        pass
+    for p in pids:
+        try:
+            fields = Path(f"/proc/{p}/stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        total += (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    return total
+
+
+@contextmanager
+def uvicorn(factory: str, env: dict[str, str], workers: int) -> Iterator[tuple[int, int]]:
+    port = free_port()
+    cmd = [sys.executable, "-m", "uvicorn", "--factory", factory, "--app-dir", str(REPO / "benchmarks"),
+           "--host", "127.0.0.1", "--port", str(port), "--workers", str(workers), "--no-access-log",
+           "--log-level", "warning"]
+    proc = subprocess.Popen(cmd, cwd=REPO, env={**os.environ, **env, "PYTHONPATH": str(REPO)})
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                with socket.create_connection(("127.0.0.1", port), timeout=0.5):
+                    break
+            except OSError:
+                if proc.poll() is not None or time.monotonic() > deadline:
+                    raise RuntimeError(f"uvicorn {factory} did not start") from None
+                time.sleep(0.1)
+        yield port, proc.pid
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(15)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+# ------------------------------------------------------------------------------------------- load generator
+def request_bytes(method: str, path: str, headers: dict[str, str], body: bytes = b"") -> bytes:
+    lines = [f"{method} {path} HTTP/1.1", "Host: 127.0.0.1"]
+    lines += [f"{k}: {v}" for k, v in headers.items()]
+    lines.append(f"Content-Length: {len(body)}")
+    return ("\r\n".join(lines) + "\r\n\r\n").encode() + body
+
+
+async def _read_response(reader: asyncio.StreamReader) -> int:
+    head = await reader.readuntil(b"\r\n\r\n")
+    status = int(head.split(b" ", 2)[1])
+    length = 0
+    for line in head.split(b"\r\n")[1:]:
+        name, _, value = line.partition(b":")
+        if name.strip().lower() == b"content-length":
+            length = int(value)
+    if length:
+        await reader.readexactly(length)
+    return status
+
+
+@dataclass
+class Result:
+    requests: int
+    seconds: float
+    latencies: list[float]
+    statuses: dict[int, int]
+    server_cpu: float = 0.0
+
+    @property
+    def cpu_ms(self) -> float:
+        """Server CPU per request: steadier than req/s on a machine shared with other work."""
+        return self.server_cpu / self.requests * 1000
+
+    @property
+    def rps(self) -> float:
+        return self.requests / self.seconds
+
+    def pct(self, q: float) -> float:
+        ordered = sorted(self.latencies)
+        return ordered[min(len(ordered) - 1, int(q * len(ordered)))] * 1000
+
+
+async def load(port: int, payload: bytes, total: int, concurrency: int) -> Result:
+    latencies: list[float] = []
+    statuses: dict[int, int] = {}
+    remaining = total
+
+    async def client() -> None:
+        nonlocal remaining
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        try:
+            while remaining > 0:
+                remaining -= 1
+                t0 = time.perf_counter()
+                writer.write(payload)
+                status = await _read_response(reader)
+                latencies.append(time.perf_counter() - t0)
+                statuses[status] = statuses.get(status, 0) + 1
+        finally:
+            writer.close()
+
+    start = time.perf_counter()
+    await asyncio.gather(*(client() for _ in range(concurrency)))
+    return Result(total, time.perf_counter() - start, latencies, statuses)
+
+
+def measure(server: tuple[int, int], payload: bytes, total: int, concurrency: int) -> Result:
+    port, pid = server
+    asyncio.run(load(port, payload, min(total, 200), concurrency))  # warm-up: pool, caches, imports
+    cpu0 = process_cpu_seconds(pid)
+    result = asyncio.run(load(port, payload, total, concurrency))
+    result.server_cpu = process_cpu_seconds(pid) - cpu0
+    return result
+
+
+# ------------------------------------------------------------------------------------------------------ main
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--get", type=int, default=5000, help="GET requests per target")
+    ap.add_argument("--post", type=int, default=2000, help="POST requests per target")
+    ap.add_argument("--concurrency", type=int, default=64)
+    ap.add_argument("--workers", type=int, default=1, help="uvicorn worker processes")
+    ap.add_argument("--json", action="store_true", help="print raw results as JSON")
+    args = ap.parse_args()
+
+    body = json.dumps(RECIPE).encode()
+    rows: list[dict[str, Any]] = []
+    with pg_database() as url:
+        token, run_id = prepare(url)
+        auth = {"Authorization": f"Bearer {token}"}
+        json_headers = {"Content-Type": "application/json"}
+        env = {"BALLAST_DATABASE_URL": url, "BALLAST_AUTH_MODE": "token", "BALLAST_TOKEN_PEPPER": PEPPER}
+        results: dict[str, Result] = {}
+        with uvicorn("bench_api:bare_app", {}, args.workers) as server:
+            results["bare GET"] = measure(server, request_bytes("GET", f"/bare/{run_id}", {}), args.get,
+                                          args.concurrency)
+            results["bare POST"] = measure(server, request_bytes("POST", "/bare", json_headers, body), args.post,
+                                           args.concurrency)
+        with uvicorn("bench_api:ballast_app", env, args.workers) as server:
+            results["ballast GET"] = measure(server, request_bytes("GET", f"/api/v1/runs/{run_id}", auth), args.get,
+                                             args.concurrency)
+            results["ballast POST"] = measure(
+                server, request_bytes("POST", "/api/v1/runs", {**auth, **json_headers}, body), args.post,
+                args.concurrency,
+            )
+    for name, r in results.items():
+        rows.append({"target": name, "requests": r.requests, "rps": round(r.rps, 1), "p50_ms": round(r.pct(0.5), 2),
+                     "p99_ms": round(r.pct(0.99), 2), "mean_ms": round(statistics.fmean(r.latencies) * 1000, 2),
+                     "server_cpu_ms": round(r.cpu_ms, 2),
+                     "statuses": r.statuses})
+    if args.json:
+        print(json.dumps({"concurrency": args.concurrency, "workers": args.workers, "results": rows}, indent=2))
+        return
+    print(f"{args.concurrency} concurrent keep-alive connections, uvicorn --workers {args.workers}, PostgreSQL\n")
+    print("| endpoint | Ballast req/s | p50 / p99 (ms) | server CPU/req | bare FastAPI req/s | p50 / p99 (ms) | "
+          "server CPU/req | Ballast / bare req/s |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
+    for verb, path in (("GET", "GET /api/v1/runs/{id}"), ("POST", "POST /api/v1/runs")):
+        b, x = results[f"ballast {verb}"], results[f"bare {verb}"]
+        print(f"| `{path}` | {b.rps:,.0f} | {b.pct(0.5):.1f} / {b.pct(0.99):.1f} | {b.cpu_ms:.2f} ms | {x.rps:,.0f} | "
+              f"{x.pct(0.5):.1f} / {x.pct(0.99):.1f} | {x.cpu_ms:.2f} ms | {b.rps / x.rps:.2f} |")
+    bad = {k: r.statuses for k, r in results.items() if set(r.statuses) - {200, 201}}
+    if bad:
+        print(f"\nunexpected statuses: {bad}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,203 @@
+"""The per-worker-group event channel: a detached Ray actor that workers report to and the scheduler drains.
+
+One ``RunChannel`` actor serves one worker group (one ``TorchTrainer.fit``), which may carry several attempts
+when numeric rollbacks are applied in place. It works across machines (workers reach it by handle, not through a
+filesystem) and it also *runs* the ``fit`` in a thread of its own, so the Ray work belongs to a detached actor
+rather than to the scheduler process: a scheduler that dies and restarts finds the actor again by name
+(``ray.get_actor(name, namespace=NAMESPACE)``) and carries on draining it. Killing the actor ends the whole
+worker group (the Train controller it created, and the controller's workers, share its fate).
+
+The actor is synchronous and single-threaded on purpose: Ray runs a sync actor's calls from one caller in
+submission order, so the batches rank 0 pushes arrive in ``seq`` order. Events are ``{"attempt", "seq", "type",
+"data"}``; the scheduler passes back what it has committed (``acked = {attempt: last_seq}``) and the actor
+drops those, so an event is delivered until the store has it — and the store's unique keys absorb a redelivery.
+
+The in-place recovery handshake: rank 0 of a diverged attempt calls ``request_plan(attempt, end)`` and then
+polls ``get_plan(attempt)``; the scheduler sees the request in ``poll()``, records the decision and calls
+``answer_plan(attempt, plan_or_None)``. ``None`` means "end the attempt; the scheduler restarts or gives up".
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import threading
+import time
+import traceback
+from collections.abc import Mapping
+from typing import Any
+
+NAMESPACE = "ballast"
+"""Ray namespace of the channel actors (named, detached)."""
+MAX_BUFFERED_EVENTS = 200_000
+"""Beyond this many undelivered events (no scheduler for a long while) the oldest metric events are dropped;
+anomalies, checkpoints and outcomes are always kept."""
+MAX_ERROR_CHARS = 8000
+CONTROLLER_POLL_S = "0.25"
+"""Ray Train V2's controller polls its workers every ``RAY_TRAIN_HEALTH_CHECK_INTERVAL_S`` (default 2 s), and a
+worker's ``ray.train.report`` waits until the controller has taken the previous report: with checkpoints less
+than 2 s apart every report blocked ~2 s. Polling 4x a second costs the controller little and removes most of
+that wait (an operator's own setting of the variable wins)."""
+DEFAULT_TRAIN_FN = "workers.engine:train_loop_per_worker"
+"""The per-worker entry; a launch may name another (set by the scheduler, never by a recipe)."""
+
+
+class RunChannel:
+    """Plain class (unit-testable without Ray); ``channel_actor_class()`` wraps it as the Ray actor."""
+
+    def __init__(self, run_id: int, first_attempt: int) -> None:
+        self.run_id = run_id
+        self.first_attempt = first_attempt
+        self._events: list[dict[str, Any]] = []
+        self._stop = False
+        self._plan_requests: dict[int, dict[str, Any]] = {}
+        self._plan_answers: dict[int, dict[str, Any] | None] = {}
+        self._fit: dict[str, Any] = {"state": "idle", "error": None}
+        self._thread: threading.Thread | None = None
+        self._dropped_metrics = 0
+        self._placement_groups: list[Any] = []
+
+    # ----------------------------------------------------------------------------------- worker side
+    def push(self, batch: list[dict[str, Any]]) -> None:
+        """Fire-and-forget from rank 0's sink."""
+        self._events.extend(batch)
+        if len(self._events) > MAX_BUFFERED_EVENTS:
+            excess = len(self._events) - MAX_BUFFERED_EVENTS
+            kept: list[dict[str, Any]] = []
+            for ev in self._events:
+                if excess > 0 and ev.get("type") == "metric":
+                    excess -= 1
+                    self._dropped_metrics += 1
+                    continue
+                kept.append(ev)
+            self._events = kept
+
+    def should_stop(self) -> bool:
+        return self._stop
+
+    def register_worker(self, info: Mapping[str, Any]) -> None:
+        """Rank 0's first call: the placement group of its worker group (freed on a forced stop)."""
+        pg = info.get("placement_group")
+        if pg is not None and all(p.id != pg.id for p in self._placement_groups):
+            self._placement_groups.append(pg)
+
+    def request_plan(self, attempt: int, end: Mapping[str, Any]) -> None:
+        """Rank 0 of a diverged attempt asks for an in-place plan (then polls ``get_plan``)."""
+        self._plan_requests[attempt] = {"attempt": attempt, "end": dict(end)}
+
+    def get_plan(self, attempt: int) -> dict[str, Any]:
+        """``{"answered": bool, "plan": dict | None}``; a stop request answers None (no new attempt)."""
+        if attempt in self._plan_answers:
+            return {"answered": True, "plan": self._plan_answers[attempt]}
+        if self._stop:
+            return {"answered": True, "plan": None}
+        return {"answered": False, "plan": None}
+
+    # -------------------------------------------------------------------------------- scheduler side
+    def ping(self) -> dict[str, Any]:
+        return {"run_id": self.run_id, "first_attempt": self.first_attempt, "fit": dict(self._fit)}
+
+    def drain(self, acked: Mapping[int, int] | None = None) -> list[dict[str, Any]]:
+        """Undelivered events, oldest first. Events at or below ``acked[attempt]`` are committed: dropped."""
+        if acked:
+            self._events = [e for e in self._events if int(e.get("seq", 0)) > acked.get(int(e["attempt"]), 0)]
+        return list(self._events)
+
+    def poll(self, acked: Mapping[int, int] | None = None) -> dict[str, Any]:
+        """Everything the scheduler needs per tick in one call: events, open plan requests, the fit's state."""
+        events = self.drain(acked)
+        open_requests = [r for a, r in sorted(self._plan_requests.items()) if a not in self._plan_answers]
+        return {
+            "events": events,
+            "plan_requests": open_requests,
+            "fit": dict(self._fit),
+            "stop": self._stop,
+            "dropped_metrics": self._dropped_metrics,
+        }
+
+    def request_stop(self) -> None:
+        self._stop = True
+
+    def answer_plan(self, attempt: int, plan: dict[str, Any] | None) -> None:
+        self._plan_answers[attempt] = plan
+
+    def fit_status(self) -> dict[str, Any]:
+        return dict(self._fit)
+
+    def placement_groups(self) -> list[Any]:
+        return list(self._placement_groups)
+
+    # ------------------------------------------------------------------------------------ the fit
+    def start(self, launch: dict[str, Any]) -> None:
+        """Run the worker group's ``TorchTrainer.fit`` in a thread of this actor (returns at once)."""
+        if self._thread is not None:
+            raise RuntimeError(f"run {self.run_id}: this channel already started its worker group")
+        self._fit = {"state": "running", "error": None, "started": time.time()}
+        handle = self._self_handle()
+        self._thread = threading.Thread(
+            target=self._run_fit, args=(launch, handle), name="ballast-fit", daemon=True
+        )
+        self._thread.start()
+
+    def _run_fit(self, launch: dict[str, Any], handle: Any) -> None:
+        try:
+            run_torch_trainer(launch, handle)
+        except BaseException as exc:  # noqa: BLE001 - every failure must reach the scheduler as text
+            self._fit = {"state": "failed", "error": _format_error(exc), "ended": time.time()}
+        else:
+            self._fit = {"state": "done", "error": None, "ended": time.time()}
+
+    def _self_handle(self) -> Any:
+        import ray
+
+        return ray.get_runtime_context().current_actor
+
+
+def _format_error(exc: BaseException) -> str:
+    text = "".join(traceback.format_exception_only(type(exc), exc)).strip()
+    if len(text) > MAX_ERROR_CHARS:
+        text = text[: MAX_ERROR_CHARS // 2] + "\n…\n" + text[-MAX_ERROR_CHARS // 2 :]
+    return text
+
+
+def run_torch_trainer(launch: Mapping[str, Any], channel: Any) -> None:
+    """One worker group: a Ray Train ``TorchTrainer`` for ``launch`` (built by the scheduler), reporting to
+    ``channel``. Ray Train's own retries are off: a failure is an attempt outcome the recovery policy handles."""
+    from ray.train import FailureConfig, RunConfig, ScalingConfig
+    from ray.train.torch import TorchTrainer
+
+    from workers.ray_sink import ActorSink
+
+    module, _, func = str(launch.get("train_fn") or DEFAULT_TRAIN_FN).partition(":")
+    train_loop_per_worker = getattr(importlib.import_module(module), func)
+
+    os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", CONTROLLER_POLL_S)  # propagated to the controller
+    resources: dict[str, float] = {"CPU": float(launch["cpus_per_worker"])}
+    if launch.get("use_gpu"):
+        resources["GPU"] = float(launch.get("gpus_per_worker") or 1.0)
+    trainer = TorchTrainer(
+        train_loop_per_worker,
+        train_loop_config={
+            "spec": launch["spec"],
+            "sink": ActorSink(channel, attempt=int(launch["attempt"])),
+            "checkpoint_uri_prefix": launch["checkpoint_uri_prefix"],
+        },
+        scaling_config=ScalingConfig(
+            num_workers=int(launch["num_workers"]),
+            use_gpu=bool(launch.get("use_gpu")),
+            resources_per_worker=resources,
+        ),
+        run_config=RunConfig(
+            name=str(launch["run_name"]),
+            storage_path=str(launch["storage_path"]),
+            failure_config=FailureConfig(max_failures=0),
+        ),
+    )
+    trainer.fit()
+
+
+def channel_actor_class() -> Any:
+    """``RunChannel`` as a Ray actor class (imported lazily: the store and API never need Ray)."""
+    import ray
+
+    return ray.remote(num_cpus=0, max_restarts=0)(RunChannel)  # sync, one thread: ordered calls

@@ -1,0 +1,158 @@
+"""Event ingestion on both backends: every event type lands where it belongs, a redelivered or reordered batch
+changes nothing, long runs are downsampled without losing the steps that matter, and NaN/Inf survive the trip.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import sqlalchemy as sa
+from sqlalchemy.orm import Session, sessionmaker
+
+from orchestrator.recipe import validate_recipe_data
+from orchestrator.store.db import transaction
+from orchestrator.store.ingest import ingest_events
+from orchestrator.store.models import AnomalyRow, Attempt, CheckpointRow, MetricPoint, Run
+from orchestrator.store.repo import create_run
+
+
+def _make_run(factory: sessionmaker[Session]) -> tuple[int, int]:
+    recipe = validate_recipe_data({"name": "ingest-test"})
+    with transaction(factory) as s:
+        run, _ = create_run(session=s, owner="alice", recipe=recipe, text="name: ingest-test\n")
+        attempt = Attempt(run_id=run.id, number=1, state="running", kind="initial")
+        s.add(attempt)
+        run.current_attempt = 1
+        s.flush()
+        return run.id, attempt.id
+
+
+def _events(spec: list[tuple[str, dict[str, Any]]], start_seq: int = 1) -> list[dict[str, Any]]:
+    return [{"attempt": 1, "seq": start_seq + i, "type": t, "data": d} for i, (t, d) in enumerate(spec)]
+
+
+def _metric(step: int, loss: float, **kw: Any) -> tuple[str, dict[str, Any]]:
+    data = {"step": step, "loss": loss, "grad_norm": 1.0, "grad_norm_clipped": 1.0, "lr": 1e-3,
+            "loss_scale": None, "throughput": 100.0, "skipped": False}
+    data.update(kw)
+    return "metric", data
+
+
+def _ingest(factory: sessionmaker[Session], run_id: int, attempt_id: int, events: list[dict[str, Any]],
+            every: int = 1) -> Any:
+    with transaction(factory) as s:
+        run, attempt = s.get(Run, run_id), s.get(Attempt, attempt_id)
+        assert run is not None and attempt is not None
+        return ingest_events(session=s, run=run, attempt=attempt, events=events, metrics_every_steps=every)
+
+
+def _count(factory: sessionmaker[Session], model: type) -> int:
+    with transaction(factory) as s:
+        return int(s.scalar(sa.select(sa.func.count()).select_from(model)) or 0)
+
+
+BATCH = [
+    _metric(0, 3.0),
+    _metric(1, 2.5),
+    ("layer_stats", {"step": 1, "layer_grad_norms": {"block0": 0.5, "block1": 0.25}, "update_ratio": 1e-3,
+                     "diagnosis": None}),
+    _metric(2, 2.0),
+    ("checkpoint", {"step": 2, "uri": "/ckpt/step_00000002", "sha256": "a" * 64, "healthy": True,
+                    "verdict": {"weights_finite": True, "anomalies_since_previous": 0, "loss_in_bounds": True},
+                    "metrics": {"loss": 2.0}}),
+    _metric(3, 40.0),
+    ("anomaly", {"step": 3, "rank": 0, "kind": "loss_spike", "detector": "loss_spike", "value": 40.0,
+                 "threshold": 6.0, "action": "rollback", "details": {"z": 12.5}}),
+    ("end", {"outcome": "diverged", "final_step": 3, "onset_step": 3, "detector": "loss_spike", "value": 40.0,
+             "reason": "loss spike", "median_grad_norm": 1.0, "loss_scale_collapsed": False}),
+]
+
+
+def test_every_event_type_lands_in_its_table(session_factory: sessionmaker[Session]) -> None:
+    run_id, attempt_id = _make_run(session_factory)
+    result = _ingest(session_factory, run_id, attempt_id, _events(BATCH))
+    assert (result.metrics, result.anomalies, result.checkpoints) == (4, 1, 1)
+    assert result.end is not None and result.end["outcome"] == "diverged"
+    with transaction(session_factory) as s:
+        steps = s.scalars(sa.select(MetricPoint.step).order_by(MetricPoint.step)).all()
+        assert steps == [0, 1, 2, 3]
+        anomaly = s.scalars(sa.select(AnomalyRow)).one()
+        assert (anomaly.seq, anomaly.step, anomaly.kind, anomaly.action, anomaly.value, anomaly.threshold) == (
+            7, 3, "loss_spike", "rollback", 40.0, 6.0)
+        assert anomaly.details == {"z": 12.5}
+        ckpt = s.scalars(sa.select(CheckpointRow)).one()
+        assert (ckpt.step, ckpt.uri, ckpt.healthy, ckpt.verdict["weights_finite"]) == (
+            2, "/ckpt/step_00000002", True, True)
+        attempt, run = s.get(Attempt, attempt_id), s.get(Run, run_id)
+        assert attempt is not None and run is not None
+        assert attempt.last_seq == 8 and attempt.last_step == 3 and attempt.onset_step == 3
+        assert attempt.outcome is not None and attempt.outcome["detector"] == "loss_spike"
+        assert attempt.ray_info["layer_stats"]["layer_grad_norms"] == {"block0": 0.5, "block1": 0.25}
+        assert run.best_loss == 2.0 and run.last_step == 3
+        # ingestion records; state changes are the scheduler's
+        assert attempt.state == "running" and run.state == "queued"
+
+
+def test_redelivered_and_reordered_batches_change_nothing(session_factory: sessionmaker[Session]) -> None:
+    run_id, attempt_id = _make_run(session_factory)
+    events = _events(BATCH)
+    _ingest(session_factory, run_id, attempt_id, events[:5])
+    # the next delivery overlaps the first (a scheduler died before committing) and arrives reversed
+    again = _ingest(session_factory, run_id, attempt_id, list(reversed(events[2:])))
+    assert (again.metrics, again.anomalies, again.checkpoints) == (1, 1, 0)  # only what was new: step 3
+    replay = _ingest(session_factory, run_id, attempt_id, events)
+    assert (replay.metrics, replay.anomalies, replay.checkpoints) == (0, 0, 0)
+    assert _count(session_factory, MetricPoint) == 4
+    assert _count(session_factory, AnomalyRow) == 1
+    assert _count(session_factory, CheckpointRow) == 1
+    with transaction(session_factory) as s:
+        attempt, run = s.get(Attempt, attempt_id), s.get(Run, run_id)
+        assert attempt is not None and run is not None
+        assert attempt.last_seq == 8 and run.best_loss == 2.0
+
+
+def test_long_runs_are_downsampled_but_keep_the_steps_that_matter(session_factory: sessionmaker[Session]) -> None:
+    run_id, attempt_id = _make_run(session_factory)
+    spec = [_metric(step, 2.0 - step / 100) for step in range(23)]
+    spec[7] = _metric(7, 1.9, skipped=True)
+    spec[11] = _metric(11, float("nan"))
+    spec.append(("anomaly", {"step": 13, "rank": 0, "kind": "grad_norm_spike", "detector": "grad_norm_spike",
+                             "value": 99.0, "threshold": 6.0, "action": "skip_step", "details": {}}))
+    spec.append(("end", {"outcome": "succeeded", "final_step": 22, "onset_step": None}))
+    _ingest(session_factory, run_id, attempt_id, _events(spec), every=5)
+    with transaction(session_factory) as s:
+        steps = s.scalars(sa.select(MetricPoint.step).order_by(MetricPoint.step)).all()
+        run = s.get(Run, run_id)
+        assert run is not None
+        # multiples of 5, the skipped step, the NaN step, the anomaly's step and the final step
+        assert steps == [0, 5, 7, 10, 11, 13, 15, 20, 22]
+        # every metric counts for the aggregates, stored or not (the best finite, non-skipped loss: step 22)
+        assert run.best_loss == pytest.approx(2.0 - 22 / 100)
+        assert run.last_step == 22
+
+
+def test_non_finite_numbers_are_stored_safely(session_factory: sessionmaker[Session]) -> None:
+    run_id, attempt_id = _make_run(session_factory)
+    events = _events([
+        _metric(0, float("nan"), grad_norm=float("inf")),
+        ("anomaly", {"step": 0, "rank": 0, "kind": "nonfinite", "detector": "nonfinite", "value": float("inf"),
+                     "threshold": None, "action": "rollback", "details": {"loss": float("nan")}}),
+        ("end", {"outcome": "diverged", "final_step": 0, "onset_step": 0, "value": float("nan")}),
+    ])
+    _ingest(session_factory, run_id, attempt_id, events)
+    with transaction(session_factory) as s:
+        point = s.scalars(sa.select(MetricPoint)).one()
+        anomaly = s.scalars(sa.select(AnomalyRow)).one()
+        attempt, run = s.get(Attempt, attempt_id), s.get(Run, run_id)
+        assert attempt is not None and run is not None
+        assert point.loss is None and point.grad_norm is None
+        assert anomaly.value is None and anomaly.details == {"loss": "NaN", "value": "Infinity"}
+        assert attempt.outcome is not None and attempt.outcome["value"] == "NaN"
+        assert run.best_loss is None
+
+
+def test_a_bad_downsampling_factor_is_refused(session_factory: sessionmaker[Session]) -> None:
+    run_id, attempt_id = _make_run(session_factory)
+    with pytest.raises(ValueError, match="metrics_every_steps"):
+        _ingest(session_factory, run_id, attempt_id, _events([_metric(0, 1.0)]), every=0)

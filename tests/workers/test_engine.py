@@ -1,0 +1,322 @@
+"""The guarded loop in a plain process: resume equivalence (golden curve), faults caught from the numbers,
+divergence, fp16 overflow handling, corrupt checkpoints, cancellation, in-place recovery, telemetry."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from orchestrator.recipe import Recipe
+from workers.checkpoint import CorruptCheckpoint, list_checkpoints, load_checkpoint
+from workers.engine import AttemptResult, AttemptSpec, EngineConfigError, GuardedTrainer, WorkerContext, run_attempt
+from workers.events import ListSink
+from workers.faults import InjectedCrash
+
+GOLDEN = Path(__file__).parent / "golden" / "resume_fp32_tiny_gpt.json"
+
+# A small, fast tiny_gpt setup; tests override sections of it.
+BASE: dict[str, Any] = {
+    "name": "engine-test",
+    "model": {"name": "tiny_gpt", "vocab_size": 32, "context": 16, "n_layers": 2, "n_heads": 2, "d_model": 32},
+    "data": {"name": "markov", "vocab_size": 32, "seq_len": 16, "branching": 4},
+    "training": {"max_steps": 60, "batch_size": 8, "seed": 0},
+    "optimizer": {"name": "adamw", "lr": 3e-3},
+    "schedule": {"warmup_steps": 10},
+    "checkpoint": {"every_steps": 20},
+}
+
+
+def _merge(base: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
+    out = dict(base)
+    for key, value in extra.items():
+        if isinstance(value, dict) and isinstance(out.get(key), dict):
+            out[key] = _merge(out[key], value)
+        else:
+            out[key] = value
+    return out
+
+
+def make_recipe(**sections: Any) -> Recipe:
+    return Recipe.model_validate(_merge(BASE, sections))
+
+
+def run(recipe: Recipe, tmp_path: Path, sink: ListSink | None = None, **spec: Any) -> AttemptResult:
+    spec.setdefault("checkpoint_dir", str(tmp_path / "ckpt"))
+    return run_attempt(AttemptSpec(recipe=recipe, **spec), sink)
+
+
+# ------------------------------------------------------------------------------------------ resume
+RESUME_RECIPE: dict[str, Any] = {
+    "training": {"max_steps": 100, "batch_size": 8, "grad_accum_steps": 2, "deterministic": True, "seed": 3},
+    "clipping": {"method": "zscore", "max_norm": 1.0, "zscore_warmup": 10},
+    "checkpoint": {"every_steps": 50, "keep": 5},
+    "telemetry": {"layer_stats_every": 10},
+}
+
+
+def test_resume_equivalence_fp32_matches_straight_run_and_golden_curve(tmp_path: Path) -> None:
+    recipe = make_recipe(**RESUME_RECIPE)
+    straight = run(recipe, tmp_path / "straight")
+    assert straight.outcome == "succeeded" and len(straight.losses) == 100
+    ckpt50 = next(c for c in straight.checkpoints if c.step == 50)
+
+    resumed = run(recipe, tmp_path / "resumed", resume_from=ckpt50.path)
+    assert resumed.start_step == 50 and resumed.outcome == "succeeded"
+    # bit-identical: model, optimizer, clipper EMA, detector state, RNG and data position all restored
+    assert resumed.losses == straight.losses[50:]
+    assert resumed.grad_norms == straight.grad_norms[50:]
+
+    if os.environ.get("BALLAST_UPDATE_GOLDEN"):
+        GOLDEN.parent.mkdir(parents=True, exist_ok=True)
+        GOLDEN.write_text(json.dumps({"recipe": RESUME_RECIPE, "losses": straight.losses}, indent=1) + "\n")
+    golden = json.loads(GOLDEN.read_text())
+    assert golden["recipe"] == RESUME_RECIPE, "the golden curve belongs to another recipe: regenerate it"
+    # exact on the machine that wrote it; the tolerance only absorbs other CPUs' float kernels
+    assert straight.losses == pytest.approx(golden["losses"], rel=1e-4, abs=1e-5)
+
+
+# ------------------------------------------------------------------------------------------ faults
+def test_nan_loss_is_caught_at_its_step_and_rolls_back(tmp_path: Path) -> None:
+    sink = ListSink()
+    res = run(make_recipe(faults=[{"type": "nan_loss", "step": 30}]), tmp_path, sink)
+    assert res.outcome == "diverged"
+    assert res.onset_step == 30 and res.final_step == 30 and res.detector == "nonfinite"
+    assert [(f["step"], f["kind"], f["action"]) for f in res.findings] == [(30, "nonfinite", "rollback")]
+    assert len(res.losses) == 31 and math.isnan(res.losses[30])
+    # the checkpoint written before the fault is healthy, and none was written after it
+    assert [(c.step, c.healthy) for c in res.checkpoints] == [(20, True)]
+    end = sink.of_type("end")
+    assert end == [res.end_event()] and end[0]["outcome"] == "diverged" and end[0]["onset_step"] == 30
+
+
+def test_nan_with_skip_action_never_poisons_the_weights(tmp_path: Path) -> None:
+    recipe = make_recipe(faults=[{"type": "nan_loss", "step": 30}],
+                         detectors={"nonfinite": {"action": "skip_step"}})
+    res = run(recipe, tmp_path)
+    assert res.outcome == "succeeded" and res.skipped_steps == [30]
+    assert all(math.isfinite(x) for i, x in enumerate(res.losses) if i != 30)
+    state, manifest = load_checkpoint(res.checkpoints[-1].path)
+    assert manifest.step == 60
+    assert all(torch.isfinite(t).all() for t in state["model"].values())
+    # the checkpoint after the anomaly is written but not healthy; the next one is healthy again
+    assert [(c.step, c.healthy) for c in res.checkpoints] == [(20, True), (40, False), (60, True)]
+
+
+def test_gradient_spike_on_one_step_is_detected_and_skipped(tmp_path: Path) -> None:
+    sink = ListSink()
+    res = run(make_recipe(faults=[{"type": "grad_scale", "step": 40, "factor": 1e4}]), tmp_path, sink)
+    assert res.outcome == "succeeded"
+    spikes = [f for f in res.findings if f["kind"] == "grad_norm_spike"]
+    assert [(f["step"], f["action"]) for f in spikes] == [(40, "skip_step")]
+    assert res.findings == spikes  # nothing else fired
+    assert res.skipped_steps == [40]
+    assert res.grad_norms[40] > 1e3 * res.grad_norms[39]
+    metric40 = next(m for m in sink.of_type("metric") if m["step"] == 40)
+    assert metric40["skipped"] is True and metric40["grad_norm_clipped"] is None
+
+
+def test_high_lr_without_warmup_diverges_with_onset(tmp_path: Path) -> None:
+    recipe = Recipe.model_validate({
+        **_merge(BASE, {"model": {"d_model": 128, "n_heads": 4}, "data": {}}),
+        "optimizer": {"name": "adamw", "lr": 0.1},
+        "schedule": {"warmup_steps": 0},
+        "detectors": {"loss_spike": {"warmup_steps": 3}},
+    })
+    res = run(recipe, tmp_path)
+    assert res.outcome == "diverged"
+    assert res.onset_step is not None and res.onset_step <= res.final_step < 30
+    assert res.detector in ("loss_spike", "divergence")
+    assert any(f["action"] == "rollback" for f in res.findings)
+    assert max(res.losses) > 2 * res.losses[0]  # far above where it started (ln 32 ≈ 3.5)
+
+
+# ------------------------------------------------------------------------------------------ fp16
+def test_fp16_overflow_steps_are_skipped_and_reported_not_divergence(tmp_path: Path) -> None:
+    sink = ListSink()
+    recipe = make_recipe(precision={"dtype": "fp16", "init_scale": 2.0**20, "growth_interval": 3})
+    res = run(recipe, tmp_path, sink)
+    assert res.outcome == "succeeded" and not res.loss_scale_collapsed
+    assert res.skipped_steps, "growing the scale every 3 steps must overflow now and then"
+    assert res.findings == []  # an overflow is normal under dynamic scaling
+    scales = [m["loss_scale"] for m in sink.of_type("metric")]
+    assert all(s is not None and s > 0 for s in scales)
+    for step in res.skipped_steps:  # each overflow backs the scale off for the next step
+        if step + 1 < len(scales):
+            assert scales[step + 1] == scales[step] * 0.5
+
+
+def test_fp16_collapsing_scale_is_divergence(tmp_path: Path) -> None:
+    recipe = make_recipe(precision={"dtype": "fp16", "init_scale": 2.0**32})
+    res = run(recipe, tmp_path)
+    assert res.outcome == "diverged" and res.loss_scale_collapsed
+    assert res.detector == "loss_scale_collapse"
+    assert res.end_event()["loss_scale_collapsed"] is True
+
+
+# ------------------------------------------------------------------------------------- checkpoints
+def test_corrupt_checkpoint_is_refused_on_load(tmp_path: Path) -> None:
+    recipe = make_recipe(faults=[{"type": "corrupt_checkpoint", "step": 40}])
+    with pytest.raises(InjectedCrash):
+        run(recipe, tmp_path)
+    ckpt = tmp_path / "ckpt" / "step_00000040"
+    assert ckpt.is_dir()
+    with pytest.raises(CorruptCheckpoint, match="sha256 mismatch"):
+        run(recipe, tmp_path / "again", resume_from=str(ckpt))
+    # the earlier checkpoint is intact and resumes (the fault fired only in attempt 1)
+    res = run(recipe, tmp_path / "again", resume_from=str(tmp_path / "ckpt" / "step_00000020"), attempt=2)
+    assert res.outcome == "succeeded" and res.start_step == 20
+
+
+def test_retention_keeps_last_k_and_health_verdict(tmp_path: Path) -> None:
+    recipe = make_recipe(training={"max_steps": 30}, checkpoint={"every_steps": 5, "keep": 2})
+    res = run(recipe, tmp_path)
+    assert [c.step for c in res.checkpoints] == [5, 10, 15, 20, 25, 30]
+    kept = [(m.step, m.healthy, m.meta["verdict"]["weights_finite"]) for _, m in list_checkpoints(tmp_path / "ckpt")]
+    assert kept == [(25, True, True), (30, True, True)]
+
+
+# ------------------------------------------------------------------------------------- telemetry
+def test_every_step_emits_metrics_and_layer_stats_every_k(tmp_path: Path) -> None:
+    sink = ListSink()
+    recipe = make_recipe(training={"max_steps": 25}, telemetry={"layer_stats_every": 10},
+                         checkpoint={"every_steps": 100})
+    res = run(recipe, tmp_path, sink)
+    metrics = sink.of_type("metric")
+    assert [m["step"] for m in metrics] == list(range(25))
+    assert set(metrics[0]) == {"step", "loss", "grad_norm", "grad_norm_clipped", "lr", "loss_scale", "throughput",
+                               "skipped"}
+    assert metrics[0]["loss"] == pytest.approx(res.losses[0])
+    assert metrics[0]["lr"] == pytest.approx(3e-3 / 10) and metrics[9]["lr"] == pytest.approx(3e-3)
+    assert all(m["grad_norm_clipped"] <= 1.0 + 1e-5 for m in metrics)
+    layer = sink.of_type("layer_stats")
+    assert [x["step"] for x in layer] == [0, 10, 20]
+    assert layer[0]["update_ratio"] is None  # no update before step 0
+    assert all(0 < x["update_ratio"] < 1 for x in layer[1:])
+    assert "blocks.0.attn.qkv.weight" in layer[1]["layer_grad_norms"]
+    assert len(layer[1]["block_grad_norms"]) == 2
+    assert [e["type"] for e in sink.events][-2:] == ["checkpoint", "end"]  # final checkpoint, then the end
+    assert [e["seq"] for e in sink.events] == list(range(1, len(sink.events) + 1))
+
+
+class StopAfter(ListSink):
+    def __init__(self, steps: int) -> None:
+        super().__init__()
+        self.steps = steps
+
+    def should_stop(self) -> bool:
+        return len(self.of_type("metric")) >= self.steps
+
+
+def test_stop_request_cancels_the_attempt(tmp_path: Path) -> None:
+    sink = StopAfter(5)
+    res = run(make_recipe(), tmp_path, sink)
+    assert res.outcome == "cancelled" and res.final_step == 6  # polled before step 5's gather, ends after it
+    assert sink.of_type("end")[0]["outcome"] == "cancelled"
+
+
+# ------------------------------------------------------------------------------- distributed options
+def test_freezing_and_activation_checkpointing(tmp_path: Path) -> None:
+    short: dict[str, Any] = {"schedule": {"warmup_steps": 1}, "training": {"max_steps": 5}}
+    plain = run(make_recipe(**short), tmp_path / "a")
+    ckpt = run(make_recipe(**short, distributed={"activation_checkpointing": True}), tmp_path / "b")
+    assert ckpt.losses == pytest.approx(plain.losses, rel=1e-5)  # recomputation gives the same gradients
+
+    recipe = make_recipe(**short, distributed={"freeze_first_n_blocks": 1})
+    trainer = GuardedTrainer(AttemptSpec(recipe=recipe, checkpoint_dir=str(tmp_path / "c")), WorkerContext())
+    before = {n: p.detach().clone() for n, p in trainer.module.named_parameters()}
+    trainer.train()
+    after = dict(trainer.module.named_parameters())
+    assert all(torch.equal(before[n], after[n]) for n in before if n.startswith("blocks.0."))
+    assert not torch.equal(before["blocks.1.mlp.0.weight"], after["blocks.1.mlp.0.weight"])
+
+
+def test_bf16_compression_on_gloo_is_refused_with_the_field_name(tmp_path: Path) -> None:
+    import torch.distributed as dist
+
+    recipe = make_recipe(resources={"num_workers": 2, "use_gpu": True, "gpus_per_worker": 1},
+                         distributed={"compression": "bf16"})
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)  # type: ignore[attr-defined]
+    try:
+        with pytest.raises(EngineConfigError, match=r"^distributed.compression: bf16 compression needs NCCL"):
+            GuardedTrainer(AttemptSpec(recipe=recipe, checkpoint_dir=str(tmp_path)), WorkerContext(world_size=2))
+    finally:
+        dist.destroy_process_group()
+
+
+# ------------------------------------------------------------------------------------ in-place recovery
+class PlanningSink(ListSink):
+    """Answers the first plan request with a retry from the step-20 checkpoint at half the LR."""
+
+    def __init__(self, resume_from: str) -> None:
+        super().__init__()
+        self.resume_from = resume_from
+        self.requests: list[dict[str, Any]] = []
+
+    def request_plan(self, end_data: dict[str, Any]) -> dict[str, Any] | None:
+        self.requests.append(end_data)
+        if len(self.requests) > 1:
+            return None
+        self._seq = 0  # a new attempt numbers its events from 1 again
+        return {"attempt": 2, "resume_from": self.resume_from, "overrides": {"optimizer.lr": [3e-3, 1.5e-3]},
+                "rewarm_steps": 5, "data_offset": 0}
+
+
+def test_in_place_recovery_continues_as_the_next_attempt(tmp_path: Path) -> None:
+    recipe = make_recipe(faults=[{"type": "nan_loss", "step": 30}])
+    sink = PlanningSink(str(tmp_path / "ckpt" / "step_00000020"))
+    res = run(recipe, tmp_path, sink)
+    assert [p.outcome for p in res.previous] == ["diverged"] and res.previous[0].onset_step == 30
+    assert res.attempt == 2 and res.outcome == "succeeded" and res.start_step == 20
+    assert sink.requests[0]["outcome"] == "diverged"
+    ends = sink.of_type("end")
+    assert [e["outcome"] for e in ends] == ["diverged", "succeeded"]
+    lrs = [m["lr"] for m in sink.of_type("metric")]
+    # attempt 2 re-warms from step 20 over 5 steps at the halved LR
+    second = lrs[31:]
+    assert second[0] < second[4] <= 1.5e-3 + 1e-12
+
+
+def test_attempt_spec_roundtrips_through_json(tmp_path: Path) -> None:
+    spec = AttemptSpec(recipe=make_recipe(faults=[{"type": "nan_loss", "step": 3}]), checkpoint_dir=str(tmp_path),
+                       attempt=3, resume_from="/x/step_00000050", rewarm_steps=20, data_offset=7, run_id=9)
+    back = AttemptSpec.from_dict(json.loads(json.dumps(spec.to_dict())))
+    assert back == spec
+
+
+# ------------------------------------------------------------------------ DDP inside a process group
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@pytest.mark.timeout(300)
+def test_ddp_in_a_process_group_comm_hooks_powersgd_resume_and_in_place_recovery(tmp_path: Path) -> None:
+    import subprocess
+    import sys
+
+    script = Path(__file__).with_name("ddp_script.py")
+    proc = subprocess.run([sys.executable, str(script), str(tmp_path), str(_free_port())], capture_output=True,
+                          text=True, timeout=280, cwd=Path(__file__).resolve().parents[2])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = json.loads((tmp_path / "results0.json").read_text())
+    assert out["fp16"]["outcome"] == "succeeded" and len(out["fp16"]["losses"]) == 20
+    assert out["fp16"]["losses"][-1] < out["fp16"]["losses"][0]
+    straight, resumed = out["powersgd"], out["powersgd_resumed"]
+    assert straight["outcome"] == resumed["outcome"] == "succeeded" and resumed["start_step"] == 10
+    # PowerSGD's error feedback, low-rank memories and RNG come back from the checkpoint: an exact replay
+    assert resumed["losses"] == straight["losses"][10:]
+    # in-place recovery inside the group: rank 0 got the plan, both ranks continued as attempt 2 from step 10
+    for rank in (0, 1):
+        inplace = json.loads((tmp_path / f"results{rank}.json").read_text())["inplace"]
+        assert inplace["previous"] == [["diverged", 12]]
+        assert inplace["outcome"] == "succeeded" and inplace["attempt"] == 2 and inplace["start_step"] == 10
+    assert [e["outcome"] for e in out["inplace"]["ends"]] == ["diverged", "succeeded"]

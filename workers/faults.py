@@ -1,0 +1,104 @@
+"""Injected faults from the recipe: the failures Ballast must survive, on demand, for tests and demos.
+
+The injector only perturbs the numbers (loss, gradients, batch) or the process (SIGKILL, a corrupted
+checkpoint); it never tells the detectors anything. Catching the effect from the numbers alone is the point.
+A fault fires only in the attempt it names and, when it names a rank, only on that rank.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from orchestrator.recipe import (
+    BatchScaleFault,
+    CorruptCheckpointFault,
+    GradScaleFault,
+    KillWorkerFault,
+    NanLossFault,
+)
+
+
+class InjectedCrash(RuntimeError):
+    """Raised by the corrupt_checkpoint fault after it damaged the checkpoint: the attempt must crash."""
+
+
+class FaultInjector:
+    """The recipe's faults for one (attempt, rank); each hook is a no-op unless a fault fires there."""
+
+    def __init__(self, faults: Sequence[Any], attempt: int, rank: int) -> None:
+        self.attempt = attempt
+        self.rank = rank
+        self.faults = [f for f in faults if f.attempt == attempt and (f.rank is None or f.rank == rank)]
+        self._corrupted: set[int] = set()
+
+    def __bool__(self) -> bool:
+        return bool(self.faults)
+
+    def _at(self, step: int, kind: type[Any]) -> list[Any]:
+        return [f for f in self.faults if isinstance(f, kind) and f.step == step]
+
+    def before_step(self, step: int) -> None:
+        """kill_worker: die like a preempted or OOM-killed worker (no cleanup, no exception)."""
+        if self._at(step, KillWorkerFault):
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    def on_batch(self, step: int, batch: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        """batch_scale on float inputs (token inputs are scaled through the loss in ``on_loss``)."""
+        inputs, targets = batch
+        for f in self._at(step, BatchScaleFault):
+            if inputs.is_floating_point():
+                inputs = inputs * f.factor
+        return inputs, targets
+
+    def on_loss(self, step: int, loss: torch.Tensor, inputs: torch.Tensor | None = None) -> torch.Tensor:
+        """nan_loss: the loss (and so every gradient) becomes NaN; batch_scale on token data scales the loss."""
+        for _ in self._at(step, NanLossFault):
+            loss = loss * float("nan")
+        if inputs is not None and not inputs.is_floating_point():
+            for f in self._at(step, BatchScaleFault):
+                loss = loss * f.factor
+        return loss
+
+    def on_grads(self, step: int, params: Iterable[torch.nn.Parameter]) -> None:
+        """grad_scale: multiply every gradient after backward (after DDP's all-reduce: only this rank)."""
+        faults = self._at(step, GradScaleFault)
+        if not faults:
+            return
+        grads = [p.grad for p in params if p.grad is not None]
+        for f in faults:
+            if grads:
+                torch._foreach_mul_(grads, f.factor)
+
+    def after_checkpoint(self, step: int, path: str | os.PathLike[str] | None) -> None:
+        """corrupt_checkpoint: flip bytes in the checkpoint just written (the first at or after the fault's
+        step), then crash, so the next attempt has to notice the damage when it loads."""
+        if path is None:
+            return
+        for i, f in enumerate(self.faults):
+            if isinstance(f, CorruptCheckpointFault) and step >= f.step and i not in self._corrupted:
+                self._corrupted.add(i)
+                damaged = corrupt_checkpoint_dir(Path(path))
+                raise InjectedCrash(f"injected fault: corrupted checkpoint {damaged} at step {step}")
+
+
+def corrupt_checkpoint_dir(path: Path) -> Path:
+    """Flip bytes in the middle of the largest state file of a checkpoint (not its manifest); return it."""
+    files = [p for p in path.rglob("*") if p.is_file() and "manifest" not in p.name]
+    if not files:
+        raise FileNotFoundError(f"no state file in checkpoint {path}")
+    target = max(files, key=lambda p: p.stat().st_size)
+    data = bytearray(target.read_bytes())
+    if not data:
+        target.write_bytes(b"\xff")
+        return target
+    mid = len(data) // 2
+    for i in range(mid, min(mid + 16, len(data))):
+        data[i] ^= 0xFF
+    target.write_bytes(bytes(data))
+    return target
