@@ -101,18 +101,19 @@ class TokenCache:
     def __init__(self, ttl: float = 5.0, max_entries: int = 10_000) -> None:
         self.ttl = ttl
         self.max_entries = max_entries
+        self.clock: Callable[[], float] = time.monotonic
         self._entries: dict[str, tuple[float, Principal]] = {}
 
     def get(self, digest: str) -> Principal | None:
         hit = self._entries.get(digest)
-        if hit is None or hit[0] < time.monotonic():
+        if hit is None or hit[0] < self.clock():
             return None
         return hit[1]
 
     def put(self, digest: str, principal: Principal) -> None:
         if len(self._entries) >= self.max_entries:
             self._entries.clear()
-        self._entries[digest] = (time.monotonic() + self.ttl, principal)
+        self._entries[digest] = (self.clock() + self.ttl, principal)
 
     def clear(self) -> None:
         self._entries.clear()

@@ -137,6 +137,10 @@ async def _request_validation(request: Request, exc: Exception) -> JSONResponse:
         msg = str(err.get("msg", "invalid"))
         if msg.startswith("Value error, "):
             msg = msg[len("Value error, "):]
+        if err.get("type") == "json_invalid":  # its loc is a character offset, not a field
+            detail = (err.get("ctx") or {}).get("error")
+            errors.append(FieldError("<body>", f"invalid JSON: {detail}" if detail else "invalid JSON"))
+            continue
         errors.append(FieldError(_validation_path(err.get("loc", ())), msg))
     return problem_response(
         request, 422, detail="the request is invalid", slug="invalid-request", title="Invalid request",

@@ -277,13 +277,34 @@ class Scheduler:
 
     # ------------------------------------------------------------------------------------- lifecycle
     def start(self) -> None:
-        """Run the loop in a background thread (``ballast serve``); returns once Ray is connected."""
+        """Run the loop in a background thread (``ballast serve``); returns once Ray is connected.
+
+        The loop thread itself connects: a local Ray's processes (GCS, raylet) are started with a parent-death
+        signal bound to the *thread* that forks them, so connecting from a short-lived thread would kill the
+        local cluster as soon as that thread ends.
+        """
         if self._thread is not None and self._thread.is_alive():
             return
         self._stop.clear()
-        self._ensure_connected()
-        self._thread = threading.Thread(target=self._loop, name="ballast-scheduler", daemon=True)
+        connected = threading.Event()
+        errors: list[BaseException] = []
+
+        def main() -> None:
+            try:
+                self._ensure_connected()
+            except BaseException as exc:  # handed to start()'s caller below
+                errors.append(exc)
+                return
+            finally:
+                connected.set()
+            self._loop()
+
+        self._thread = threading.Thread(target=main, name="ballast-scheduler", daemon=True)
         self._thread.start()
+        connected.wait()
+        if errors:
+            self._thread = None
+            raise errors[0]
 
     def stop(self, timeout: float = 30.0) -> None:
         """Stop the loop (from any thread); runs keep going on a Ray cluster and are adopted on restart."""

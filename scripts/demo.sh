@@ -4,14 +4,14 @@
 # checkpoint and finish with tightened settings, print what the store recorded, stop the service.
 #
 # Exit status 0 only if the run SUCCEEDED after at least 2 attempts. `make demo` sets up the venv first.
-# Usage: scripts/demo.sh [RECIPE]   (default: recipes/unstable-nan.yaml)
+# Usage: scripts/demo.sh [RECIPE]   (default: recipes/unstable-grad-spike.yaml)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 command -v ballast >/dev/null 2>&1 || PATH="$PWD/.venv/bin:$PATH"
 PY=$(command -v python3 || command -v python)
 [ -x .venv/bin/python ] && PY=.venv/bin/python
 
-RECIPE=${1:-recipes/unstable-nan.yaml}
+RECIPE=${1:-recipes/unstable-grad-spike.yaml}
 PORT=${BALLAST_DEMO_PORT:-8421}
 export BALLAST_HOME=${BALLAST_DEMO_HOME:-.ballast/demo}
 export BALLAST_URL="http://127.0.0.1:${PORT}"

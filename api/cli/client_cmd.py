@@ -101,6 +101,15 @@ def _num(v: Any, fmt: str = ".4g") -> str:
     return format(x, fmt)
 
 
+def _value(v: Any) -> str:
+    """An override's old or new value: numbers compactly, anything else (a method name, a dtype) as is."""
+    if isinstance(v, bool) or v is None:
+        return str(v).lower()
+    if isinstance(v, int | float):
+        return _num(v)
+    return str(v)
+
+
 def _ts(v: Any) -> str:
     return str(v).replace("T", " ")[:16] if v else "-"
 
@@ -517,7 +526,7 @@ def runs_show(run_id: RunArg, url: UrlOpt = None, token: TokenOpt = None, as_jso
             table.add_column(col, overflow="fold")
         for a in attempts:
             ov = ", ".join(
-                f"{k} {_num(v[0])}→{_num(v[1])}" if isinstance(v, list) and len(v) == 2 else f"{k}={v}"
+                f"{k} {_value(v[0])}→{_value(v[1])}" if isinstance(v, list) and len(v) == 2 else f"{k}={v}"
                 for k, v in (a.get("overrides") or {}).items()
             )
             table.add_row(

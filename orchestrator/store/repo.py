@@ -236,7 +236,7 @@ def list_runs(
     if name is not None:
         filters.append(Run.name == name)
     count = session.scalar(select(sa.func.count()).select_from(Run).where(*filters)) or 0
-    stmt = select(Run).where(*filters)
+    stmt = select(Run).options(joinedload(Run.recipe).defer(RecipeRow.text)).where(*filters)
     if cursor is not None:
         created, last_id = _decode_cursor(cursor, (datetime, int))
         stmt = stmt.where(sa.or_(Run.created_at < created, sa.and_(Run.created_at == created, Run.id < last_id)))

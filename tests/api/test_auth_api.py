@@ -154,18 +154,16 @@ def test_probes_need_no_token(make_client: Client) -> None:
 
 
 def test_verified_tokens_are_cached_briefly(
-    make_client: Client, make_token: Token, session_factory: sessionmaker[Session], monkeypatch: pytest.MonkeyPatch
+    make_client: Client, make_token: Token, session_factory: sessionmaker[Session]
 ) -> None:
-    import api.auth
-
     c = make_client(auth=True)
-    cache = c.app.state.token_cache  # type: ignore[attr-defined]
+    cache = c.app.state.token_cache  # type: ignore[attr-defined]  # TestClient.app is typed as an ASGI callable
     headers = make_token("alice", "read")
     assert c.get(RUNS, headers=headers).status_code == 200
     with session_factory() as s:  # revoked behind this server's back (the CLI, another process)
         s.scalars(sa.select(ApiToken)).one().revoked_at = sa.func.now()
         s.commit()
     assert c.get(RUNS, headers=headers).status_code == 200  # still within the cache's TTL
-    later = api.auth.time.monotonic() + cache.ttl + 1
-    monkeypatch.setattr(api.auth.time, "monotonic", lambda: later)
+    later = cache.clock() + cache.ttl + 1
+    cache.clock = lambda: later
     assert c.get(RUNS, headers=headers).status_code == 401

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Callable, Iterator
 
 import pytest
 from fastapi.testclient import TestClient
@@ -149,8 +150,8 @@ def test_wrong_content_type_is_415(client: TestClient, media: str | None) -> Non
     assert r.json()["type"] == "urn:ballast:problem:unsupported-media-type"
 
 
-def test_oversize_body_is_413_before_parsing(make_client: object) -> None:
-    client = make_client(max_recipe_bytes=2048)  # type: ignore[operator]
+def test_oversize_body_is_413_before_parsing(make_client: Callable[..., TestClient]) -> None:
+    client = make_client(max_recipe_bytes=2048)
     # invalid YAML beyond the limit: a 413 (not a 422) shows the size check came before parsing
     big = "{{{{ not yaml " * 400
     r = client.post(VALIDATE, content=big, headers={"content-type": "application/yaml"})
@@ -159,14 +160,14 @@ def test_oversize_body_is_413_before_parsing(make_client: object) -> None:
     assert r.json()["status"] == 413
 
 
-def test_oversize_streamed_body_without_length_is_413(make_client: object) -> None:
-    client = make_client(max_recipe_bytes=2048)  # type: ignore[operator]
+def test_oversize_streamed_body_without_length_is_413(make_client: Callable[..., TestClient]) -> None:
+    client = make_client(max_recipe_bytes=2048)
 
-    def chunks() -> object:
+    def chunks() -> Iterator[bytes]:
         for _ in range(10):
             yield b"# padding " * 50
 
-    r = client.post(VALIDATE, content=chunks(), headers={"content-type": "application/yaml"})  # type: ignore[arg-type]
+    r = client.post(VALIDATE, content=chunks(), headers={"content-type": "application/yaml"})
     assert r.status_code == 413
     assert r.json()["status"] == 413
 

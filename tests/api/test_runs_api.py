@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from datetime import UTC, datetime
 
@@ -79,10 +80,12 @@ def test_concurrent_submissions_with_one_key_make_one_run(
         assert s.scalar(sa.select(sa.func.count()).select_from(Run)) == 1
 
 
-def test_idempotency_key_is_per_owner(make_client: object, make_token: object) -> None:
-    c = make_client(auth=True)  # type: ignore[operator]
-    alice = make_token("alice", "submit", "read")  # type: ignore[operator]
-    bob = make_token("bob", "submit", "read")  # type: ignore[operator]
+def test_idempotency_key_is_per_owner(
+    make_client: Callable[..., TestClient], make_token: Callable[..., dict[str, str]]
+) -> None:
+    c = make_client(auth=True)
+    alice = make_token("alice", "submit", "read")
+    bob = make_token("bob", "submit", "read")
     a = post_yaml(c, **alice, **{"Idempotency-Key": "same"})
     b = post_yaml(c, **bob, **{"Idempotency-Key": "same"})
     assert a.status_code == b.status_code == 201
@@ -316,3 +319,13 @@ def test_retry_body_that_is_not_utf8_is_422(client: TestClient, session_factory:
                     headers={"content-type": "application/json"})
     assert r.status_code == 422
     assert r.json()["errors"] == [{"path": "<body>", "message": "cannot be parsed (UnicodeDecodeError)"}]
+
+
+def test_retry_body_with_invalid_json_names_the_body(
+    client: TestClient, session_factory: sessionmaker[Session]
+) -> None:
+    run_id = seed_run(session_factory, state="failed")
+    r = client.post(f"{RUNS}/{run_id}/retry", content=b'{"overrides": ', headers={"content-type": "application/json"})
+    assert r.status_code == 422
+    (err,) = r.json()["errors"]
+    assert err["path"] == "<body>" and err["message"].startswith("invalid JSON")

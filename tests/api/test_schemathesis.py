@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import schemathesis
@@ -55,5 +56,5 @@ def _database(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
 
 @schema.parametrize()
 @settings(max_examples=25, deadline=None, suppress_health_check=list(HealthCheck))
-def test_api_conforms_to_its_openapi(case: schemathesis.Case) -> None:
+def test_api_conforms_to_its_openapi(case: schemathesis.Case[Any]) -> None:
     case.call_and_validate(checks=CHECKS)

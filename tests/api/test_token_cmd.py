@@ -11,8 +11,9 @@ from fastapi.testclient import TestClient
 from sqlalchemy.orm import Session, sessionmaker
 from typer.testing import CliRunner
 
+import api.cli  # noqa: F401  (registers the commands)
 from api.auth import hash_token
-from api.cli import app
+from api.cli.app import app
 from orchestrator.settings import get_settings
 from orchestrator.store.models import ApiToken
 from tests.api.conftest import PEPPER
