@@ -146,11 +146,11 @@ def process_cpu_seconds(pid: int) -> float:
 
 
 @contextmanager
-def uvicorn(factory: str, env: dict[str, str], workers: int) -> Iterator[tuple[int, int]]:
+def uvicorn(factory: str, env: dict[str, str], workers: int, loop: str, http: str) -> Iterator[tuple[int, int]]:
     port = free_port()
     cmd = [sys.executable, "-m", "uvicorn", "--factory", factory, "--app-dir", str(REPO / "benchmarks"),
            "--host", "127.0.0.1", "--port", str(port), "--workers", str(workers), "--no-access-log",
-           "--log-level", "warning"]
+           "--log-level", "warning", "--loop", loop, "--http", http]
     proc = subprocess.Popen(cmd, cwd=REPO, env={**os.environ, **env, "PYTHONPATH": str(REPO)})
     try:
         deadline = time.monotonic() + 60
@@ -255,6 +255,8 @@ def main() -> None:
     ap.add_argument("--post", type=int, default=2000, help="POST requests per target")
     ap.add_argument("--concurrency", type=int, default=64)
     ap.add_argument("--workers", type=int, default=1, help="uvicorn worker processes")
+    ap.add_argument("--loop", default="auto", choices=["auto", "asyncio", "uvloop"], help="uvicorn event loop")
+    ap.add_argument("--http", default="auto", choices=["auto", "h11", "httptools"], help="uvicorn HTTP parser")
     ap.add_argument("--json", action="store_true", help="print raw results as JSON")
     args = ap.parse_args()
 
@@ -266,12 +268,12 @@ def main() -> None:
         json_headers = {"Content-Type": "application/json"}
         env = {"BALLAST_DATABASE_URL": url, "BALLAST_AUTH_MODE": "token", "BALLAST_TOKEN_PEPPER": PEPPER}
         results: dict[str, Result] = {}
-        with uvicorn("bench_api:bare_app", {}, args.workers) as server:
+        with uvicorn("bench_api:bare_app", {}, args.workers, args.loop, args.http) as server:
             results["bare GET"] = measure(server, request_bytes("GET", f"/bare/{run_id}", {}), args.get,
                                           args.concurrency)
             results["bare POST"] = measure(server, request_bytes("POST", "/bare", json_headers, body), args.post,
                                            args.concurrency)
-        with uvicorn("bench_api:ballast_app", env, args.workers) as server:
+        with uvicorn("bench_api:ballast_app", env, args.workers, args.loop, args.http) as server:
             results["ballast GET"] = measure(server, request_bytes("GET", f"/api/v1/runs/{run_id}", auth), args.get,
                                              args.concurrency)
             results["ballast POST"] = measure(

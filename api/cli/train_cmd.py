@@ -27,6 +27,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from api.cli.app import app
 from orchestrator.recipe import Recipe, RecipeError, load_recipe
 from orchestrator.settings import get_settings
+from workers.events import ListSink
 
 EXIT_CODES = {"succeeded": 0, "diverged": 1, "cancelled": 130}
 EXIT_CRASHED = 3
@@ -39,21 +40,18 @@ def _fmt(x: Any, spec: str = ".4g") -> str:
     return format(x, spec)
 
 
-class ProgressSink:
-    """An ``EventSink`` that keeps the events and drives a rich progress line (step, loss, grad norm, lr, loss
-    scale, anomalies); anomalies and checkpoints are printed above it as they happen."""
+class ProgressSink(ListSink):
+    """A ``ListSink`` that also drives a rich progress line (step, loss, grad norm, lr, loss scale, anomalies);
+    anomalies and checkpoints are printed above it as they happen."""
 
     def __init__(self, progress: Progress | None, max_steps: int, start_step: int = 0) -> None:
-        self.events: list[dict[str, Any]] = []
+        super().__init__()
         self.progress = progress
-        self.stop_requested = False
         self.anomalies = 0
-        self._seq = 0
         self._task = progress.add_task("starting", total=max_steps, completed=start_step) if progress else None
 
     def emit(self, type: str, data: dict[str, Any]) -> None:
-        self._seq += 1
-        self.events.append({"seq": self._seq, "type": type, "data": data})
+        super().emit(type, data)
         if self.progress is None or self._task is None:
             return
         if type == "metric":
@@ -70,15 +68,6 @@ class ProgressSink:
         elif type == "checkpoint":
             state = "[green]healthy[/]" if data["healthy"] else "[red]unhealthy[/]"
             self.progress.console.print(f"checkpoint step {data['step']} {state}: {data['uri']}")
-
-    def flush(self) -> None:
-        return None
-
-    def should_stop(self) -> bool:
-        return self.stop_requested
-
-    def of_type(self, type: str) -> list[dict[str, Any]]:
-        return [e["data"] for e in self.events if e["type"] == type]
 
 
 @contextmanager
