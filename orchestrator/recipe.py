@@ -450,19 +450,32 @@ class GradNormSpikeDetector(_Section):
 
 class LossSpikeDetector(_Section):
     enabled: bool = True
-    """Loss z-score against its EMA, or loss far above the best smoothed loss."""
+    """Loss z-score against its EMA, loss far above the best smoothed loss or the initial loss, or a collapse back
+    towards the initial loss."""
     action: Action = Action.rollback
     """What to do on divergence."""
     z_threshold: float = Field(default=6.0, gt=0.0)
     """Fire when (loss - EMA mean) / EMA std exceeds this."""
     ratio_threshold: float = Field(default=2.0, gt=1.0)
     """Fire when the smoothed loss exceeds this multiple of the best smoothed loss so far."""
+    max_initial_ratio: float | None = Field(default=1.5, gt=1.0)
+    """Fire (kind divergence) when the loss exceeds this multiple of the initial loss: the mean of the losses among
+    the first 5 finite ones that were not skipped and not already this far above the mean so far. A healthy run
+    never ends up far above where it started, so this rule needs no warmup (``warmup_steps`` does not apply to
+    it): it catches the blow-up in the first steps of a too-high LR, which the warmup would hide. The rise must
+    also be 4 batch-noise deviations; still, for a loss with more than ~15% batch noise (MSE on a few samples)
+    raise it or disable it. None disables."""
+    collapse_fraction: float | None = Field(default=0.8, gt=0.0, le=1.0)
+    """Fire (kind divergence) when the smoothed loss has given back this fraction of the progress it made, from
+    the initial loss down to the best smoothed loss (a run that learned, then collapsed back towards where it
+    started). Only once the best smoothed loss is at least 10% (and 4 batch-noise deviations) below the initial
+    loss; no warmup. None disables."""
     ema_alpha: float = Field(default=0.05, gt=0.0, lt=1.0)
     """EMA coefficient for mean, variance and the smoothed loss."""
     warmup_steps: int = Field(default=25, ge=0)
-    """Steps observed before the detector may fire."""
+    """Steps observed before the z-score and best-ratio rules may fire."""
     patience: int = Field(default=3, ge=1)
-    """Consecutive anomalous steps needed to fire."""
+    """Consecutive anomalous steps needed to fire (any of the rules)."""
 
 
 class VanishingDetector(_Section):

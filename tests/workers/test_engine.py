@@ -126,7 +126,6 @@ def test_high_lr_without_warmup_diverges_with_onset(tmp_path: Path) -> None:
         **_merge(BASE, {"model": {"d_model": 128, "n_heads": 4}, "data": {}}),
         "optimizer": {"name": "adamw", "lr": 0.1},
         "schedule": {"warmup_steps": 0},
-        "detectors": {"loss_spike": {"warmup_steps": 3}},
     })
     res = run(recipe, tmp_path)
     assert res.outcome == "diverged"
