@@ -23,7 +23,7 @@ import api
 from api.auth import TokenCache
 from api.errors import install_error_handlers, problem_response
 from api.metrics import AppMetrics, LatencyMiddleware
-from api.routes import API_PREFIX, api_router, health_router
+from api.routes import API_PREFIX, api_routers, health_router
 from api.schemas import Problem
 from orchestrator.recipe import Recipe
 from orchestrator.settings import Settings, get_settings
@@ -164,7 +164,8 @@ def create_app(
     app.state.metrics = AppMetrics(lambda: app.state.session_factory)
     app.state.token_cache = TokenCache()
     install_error_handlers(app)
-    app.include_router(api_router)
+    for router in api_routers:
+        app.include_router(router, prefix=API_PREFIX)
     app.include_router(health_router)
     app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_recipe_bytes)
     app.add_middleware(LatencyMiddleware, metrics=app.state.metrics, prefix=API_PREFIX)

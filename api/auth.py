@@ -176,17 +176,22 @@ SubmitPrincipal = Annotated[Principal, Depends(require("submit"))]
 AdminPrincipal = Annotated[Principal, Depends(require("admin"))]
 
 
+def run_not_found(run_id: int) -> ApiError:
+    """The 404 for a run that is absent or someone else's (the two are not told apart)."""
+    return ApiError(404, f"run {run_id} not found", slug="not-found")
+
+
 def _readable_run(run_id: RunId, session: SessionDep, principal: ReadPrincipal) -> Run:
     run = repo.get_run(session=session, run_id=run_id, owner=principal.owner_filter)
     if run is None:
-        raise ApiError(404, f"run {run_id} not found", slug="not-found")
+        raise run_not_found(run_id)
     return run
 
 
 def _writable_run(run_id: RunId, session: SessionDep, principal: SubmitPrincipal) -> Run:
     run = repo.get_run(session=session, run_id=run_id, owner=principal.owner_filter)
     if run is None:
-        raise ApiError(404, f"run {run_id} not found", slug="not-found")
+        raise run_not_found(run_id)
     return run
 
 

@@ -1,20 +1,25 @@
 """REST API throughput and latency against PostgreSQL, side by side with a bare FastAPI endpoint.
 
 Two uvicorn servers run as subprocesses, one after the other, on the same machine and with the same uvicorn
-settings: the Ballast app (token auth on, PostgreSQL store) and a bare FastAPI app whose endpoints do no I/O
-(the floor the framework and server set). For each, ``CONCURRENCY`` keep-alive connections send a bounded number
-of requests back to back:
+settings (workers, event loop, HTTP parser): the Ballast app (token auth on, PostgreSQL store) and a bare FastAPI
+app whose endpoints do no I/O (the floor the framework and server set). For each, ``--concurrency`` keep-alive
+connections send a bounded number of requests back to back:
 
-* ``GET /api/v1/runs/{id}``: token lookup, the run with its recipe, current attempt and anomaly counts;
-  bare: ``GET /bare/{id}`` returning a small model.
-* ``POST /api/v1/runs``: parse and validate a JSON recipe, insert recipe, run and event; bare: ``POST /bare``
-  parsing the same JSON body into a dict.
+* ``GET /api/v1/runs/{id}``: token check (cached), then the run with its recipe, newest attempt and anomaly counts
+  (one statement); bare: ``GET /bare/{id}`` returning a small model.
+* ``POST /api/v1/runs``: parse and validate a JSON recipe, insert recipe, run and event, commit; bare:
+  ``POST /bare`` parsing the same JSON body into a dict.
 
 The load generator is a minimal asyncio HTTP/1.1 client (pre-built request bytes, Content-Length responses) so
-that it takes as little of the shared CPU as possible; it still runs on the same 2 cores as the server, so the
-numbers are a lower bound for a server with the machine to itself.
+that it takes as little of the shared CPU as possible; it still runs on the same cores as the server and
+PostgreSQL, so the numbers are a lower bound for a server with the machine to itself. Besides req/s and latency,
+each row has the CPU time per request of the server processes, of the PostgreSQL backends serving the benchmark
+database and of the load generator: steadier than req/s on a shared machine, and together they say how many
+requests a second the machine's cores can carry at all.
 
-Usage: ``python benchmarks/bench_api.py [--get N] [--post N] [--concurrency C] [--workers W] [--json]``.
+Usage: ``python benchmarks/bench_api.py [--get N] [--post N] [--concurrency C] [--workers W] [--loop L] [--http H]
+[--json]``. ``--loop``/``--http`` default to uvicorn's ``auto`` (uvloop and httptools, installed with
+``uvicorn[standard]``, as ``ballast serve`` uses them); ``--loop asyncio --http h11`` gives the pure-Python stack.
 Needs the PostgreSQL server of the tests (``BALLAST_TEST_PG_URL``, default ``postgres@127.0.0.1:5432``).
 """
 
@@ -127,15 +132,9 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def process_cpu_seconds(pid: int) -> float:
-    """User + system CPU time of a process and its children (uvicorn's workers), from /proc."""
+def cpu_seconds(pids: list[int]) -> float:
+    """User + system CPU time of these processes, from /proc (0 for one that is gone or unreadable)."""
     total = 0.0
-    pids = [pid]
-    try:
-        children = subprocess.run(["pgrep", "-P", str(pid)], capture_output=True, text=True).stdout
-        pids += [int(p) for p in children.split()]
-    except OSError:
-        pass
     for p in pids:
         try:
             fields = Path(f"/proc/{p}/stat").read_text().rsplit(")", 1)[1].split()
@@ -143,6 +142,30 @@ def process_cpu_seconds(pid: int) -> float:
             continue
         total += (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
     return total
+
+
+def process_cpu_seconds(pid: int) -> float:
+    """User + system CPU time of a process and its children (uvicorn's workers)."""
+    pids = [pid]
+    try:
+        children = subprocess.run(["pgrep", "-P", str(pid)], capture_output=True, text=True).stdout
+        pids += [int(p) for p in children.split()]
+    except OSError:
+        pass
+    return cpu_seconds(pids)
+
+
+def backend_pids(url: str) -> list[int]:
+    """PIDs of the PostgreSQL backends connected to the benchmark database (the server's pooled connections)."""
+    engine = sa.create_engine(url)
+    try:
+        with engine.connect() as conn:
+            rows = conn.execute(sa.text(
+                "SELECT pid FROM pg_stat_activity WHERE datname = current_database() AND pid <> pg_backend_pid()"
+            ))
+            return [int(r[0]) for r in rows]
+    finally:
+        engine.dispose()
 
 
 @contextmanager
@@ -200,11 +223,23 @@ class Result:
     latencies: list[float]
     statuses: dict[int, int]
     server_cpu: float = 0.0
+    db_cpu: float | None = None
+    """None: no database, or its backends changed during the run (connections opened and closed, so their CPU
+    cannot be summed)."""
+    client_cpu: float = 0.0
 
     @property
     def cpu_ms(self) -> float:
         """Server CPU per request: steadier than req/s on a machine shared with other work."""
         return self.server_cpu / self.requests * 1000
+
+    @property
+    def db_cpu_ms(self) -> float | None:
+        return None if self.db_cpu is None else self.db_cpu / self.requests * 1000
+
+    @property
+    def client_cpu_ms(self) -> float:
+        return self.client_cpu / self.requests * 1000
 
     @property
     def rps(self) -> float:
@@ -239,13 +274,28 @@ async def load(port: int, payload: bytes, total: int, concurrency: int) -> Resul
     return Result(total, time.perf_counter() - start, latencies, statuses)
 
 
-def measure(server: tuple[int, int], payload: bytes, total: int, concurrency: int) -> Result:
+def measure(server: tuple[int, int], payload: bytes, total: int, concurrency: int, db_url: str | None = None) -> Result:
     port, pid = server
     asyncio.run(load(port, payload, min(total, 200), concurrency))  # warm-up: pool, caches, imports
-    cpu0 = process_cpu_seconds(pid)
+    backends = backend_pids(db_url) if db_url else []
+    cpu0, db0, client0 = process_cpu_seconds(pid), cpu_seconds(backends), time.process_time()
     result = asyncio.run(load(port, payload, total, concurrency))
+    result.client_cpu = time.process_time() - client0
     result.server_cpu = process_cpu_seconds(pid) - cpu0
+    if db_url and sorted(backend_pids(db_url)) == sorted(backends):
+        result.db_cpu = cpu_seconds(backends) - db0
     return result
+
+
+def server_stack(loop: str, http: str) -> str:
+    """What uvicorn's ``auto`` resolves to here (the servers run in this interpreter's environment)."""
+    import importlib.util
+
+    if loop == "auto":
+        loop = "uvloop" if importlib.util.find_spec("uvloop") else "asyncio"
+    if http == "auto":
+        http = "httptools" if importlib.util.find_spec("httptools") else "h11"
+    return f"{loop} + {http}"
 
 
 # ------------------------------------------------------------------------------------------------------ main
@@ -275,27 +325,37 @@ def main() -> None:
                                            args.concurrency)
         with uvicorn("bench_api:ballast_app", env, args.workers, args.loop, args.http) as server:
             results["ballast GET"] = measure(server, request_bytes("GET", f"/api/v1/runs/{run_id}", auth), args.get,
-                                             args.concurrency)
+                                             args.concurrency, url)
             results["ballast POST"] = measure(
                 server, request_bytes("POST", "/api/v1/runs", {**auth, **json_headers}, body), args.post,
-                args.concurrency,
+                args.concurrency, url,
             )
     for name, r in results.items():
         rows.append({"target": name, "requests": r.requests, "rps": round(r.rps, 1), "p50_ms": round(r.pct(0.5), 2),
                      "p99_ms": round(r.pct(0.99), 2), "mean_ms": round(statistics.fmean(r.latencies) * 1000, 2),
-                     "server_cpu_ms": round(r.cpu_ms, 2),
-                     "statuses": r.statuses})
+                     "server_cpu_ms": round(r.cpu_ms, 3),
+                     "db_cpu_ms": None if r.db_cpu_ms is None else round(r.db_cpu_ms, 3),
+                     "client_cpu_ms": round(r.client_cpu_ms, 3), "statuses": r.statuses})
+    stack = server_stack(args.loop, args.http)
     if args.json:
-        print(json.dumps({"concurrency": args.concurrency, "workers": args.workers, "results": rows}, indent=2))
+        print(json.dumps({"concurrency": args.concurrency, "workers": args.workers, "stack": stack, "results": rows},
+                         indent=2))
         return
-    print(f"{args.concurrency} concurrent keep-alive connections, uvicorn --workers {args.workers}, PostgreSQL\n")
-    print("| endpoint | Ballast req/s | p50 / p99 (ms) | server CPU/req | bare FastAPI req/s | p50 / p99 (ms) | "
-          "server CPU/req | Ballast / bare req/s |")
+    print(f"{args.concurrency} concurrent keep-alive connections, uvicorn --workers {args.workers} ({stack}), "
+          f"PostgreSQL\n")
+    print("| endpoint | Ballast req/s | p50 / p99 (ms) | CPU/req: server + PostgreSQL + client | bare FastAPI req/s | "
+          "p50 / p99 (ms) | CPU/req: server + client | Ballast / bare req/s |")
     print("| --- | --- | --- | --- | --- | --- | --- | --- |")
     for verb, path in (("GET", "GET /api/v1/runs/{id}"), ("POST", "POST /api/v1/runs")):
         b, x = results[f"ballast {verb}"], results[f"bare {verb}"]
-        print(f"| `{path}` | {b.rps:,.0f} | {b.pct(0.5):.1f} / {b.pct(0.99):.1f} | {b.cpu_ms:.2f} ms | {x.rps:,.0f} | "
-              f"{x.pct(0.5):.1f} / {x.pct(0.99):.1f} | {x.cpu_ms:.2f} ms | {b.rps / x.rps:.2f} |")
+        db = "n/a" if b.db_cpu_ms is None else f"{b.db_cpu_ms:.2f}"
+        print(f"| `{path}` | {b.rps:,.0f} | {b.pct(0.5):.1f} / {b.pct(0.99):.1f} | "
+              f"{b.cpu_ms:.2f} + {db} + {b.client_cpu_ms:.2f} ms | {x.rps:,.0f} | "
+              f"{x.pct(0.5):.1f} / {x.pct(0.99):.1f} | {x.cpu_ms:.2f} + {x.client_cpu_ms:.2f} ms | "
+              f"{b.rps / x.rps:.2f} |")
+    if any(results[f"ballast {verb}"].db_cpu is None for verb in ("GET", "POST")):
+        print("\nn/a: the server opened and closed database connections during the run (a churning pool), so the "
+              "PostgreSQL backends' CPU could not be summed.")
     bad = {k: r.statuses for k, r in results.items() if set(r.statuses) - {200, 201}}
     if bad:
         print(f"\nunexpected statuses: {bad}")

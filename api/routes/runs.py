@@ -2,14 +2,24 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Body, Depends, Header, Query, Response
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
-from api.auth import ReadableRun, ReadPrincipal, SubmitPrincipal, WritableRun
-from api.deps import RecipeBody, SessionDep, recipe_request_body, require_json
+from api.auth import Principal, ReadPrincipal, SubmitPrincipal, WritableRun, run_not_found
+from api.deps import (
+    RecipeBody,
+    RunId,
+    SessionDep,
+    SubmittedRecipe,
+    in_db_thread,
+    recipe_request_body,
+    require_json,
+    without_transaction,
+)
 from api.errors import ApiError, problem_responses
 from api.schemas import AttemptRead, Page, RetryRequest, RetryResult, RunDetail, RunRead, RunSummary
 from orchestrator.recipe import FieldError, RecipeError
@@ -22,47 +32,47 @@ router = APIRouter(tags=["runs"])
 NAME_PATTERN = r"^[a-z0-9]([a-z0-9._-]*[a-z0-9])?$"
 OWNER_PATTERN = r"^[A-Za-z0-9._@-]+$"
 
+_RUN_KEYS = (
+    "id", "name", "owner", "state", "recipe_id", "idempotency_key", "current_attempt", "cancel_requested", "reason",
+    "created_at", "updated_at", "started_at", "ended_at",
+)
+_SUMMARY_KEYS = ("best_loss", "last_step", "retries_used", "crash_restarts_used")
+
 
 def run_read(run: Run, anomalies: dict[str, int]) -> RunRead:
     """ORM run (with its recipe row) → RunRead."""
-    return RunRead.model_validate(_run_fields(run, anomalies))
+    values = {k: getattr(run, k) for k in (*_RUN_KEYS, *_SUMMARY_KEYS)}
+    return RunRead.model_validate(_run_fields(values, run.recipe.content_hash, run.recipe.parsed, anomalies))
 
 
-def _run_fields(run: Run, anomalies: dict[str, int]) -> dict[str, Any]:
-    max_steps = run.recipe.parsed.get("training", {}).get("max_steps")
-    return {
-        "id": run.id,
-        "name": run.name,
-        "owner": run.owner,
-        "state": run.state,
-        "recipe_id": run.recipe_id,
-        "content_hash": run.recipe.content_hash,
-        "idempotency_key": run.idempotency_key,
-        "current_attempt": run.current_attempt,
-        "cancel_requested": run.cancel_requested,
-        "reason": run.reason,
-        "created_at": run.created_at,
-        "updated_at": run.updated_at,
-        "started_at": run.started_at,
-        "ended_at": run.ended_at,
-        "summary": RunSummary(
-            best_loss=run.best_loss,
-            last_step=run.last_step,
-            max_steps=max_steps if isinstance(max_steps, int) else None,
-            retries_used=run.retries_used,
-            crash_restarts_used=run.crash_restarts_used,
-            anomalies_by_kind=anomalies,
-            anomalies_total=sum(anomalies.values()),
-        ),
-    }
+def _run_fields(
+    run: Mapping[str, Any], content_hash: str, recipe: Mapping[str, Any], anomalies: dict[str, int]
+) -> dict[str, Any]:
+    """The fields of RunRead from a run's column values, its recipe's hash and normalised JSON, and its counts."""
+    max_steps = recipe.get("training", {}).get("max_steps")
+    fields = {k: run[k] for k in _RUN_KEYS}
+    fields["content_hash"] = content_hash
+    fields["summary"] = RunSummary(
+        best_loss=run["best_loss"],
+        last_step=run["last_step"],
+        max_steps=max_steps if isinstance(max_steps, int) else None,
+        retries_used=run["retries_used"],
+        crash_restarts_used=run["crash_restarts_used"],
+        anomalies_by_kind=anomalies,
+        anomalies_total=sum(anomalies.values()),
+    )
+    return fields
 
 
-def run_detail(session: Session, run: Run) -> RunDetail:
-    counts = repo.anomaly_counts(session=session, run_ids=[run.id])[run.id]
-    current = repo.newest_attempt(session=session, run_id=run.id)
-    fields = _run_fields(run, counts)
-    fields["attempt"] = AttemptRead.model_validate(current) if current is not None else None
-    fields["recipe"] = run.recipe.parsed
+def _run_detail(session: Session, run_id: int, owner: str | None) -> RunDetail:
+    """One statement (``repo.get_run_overview``) → RunDetail; 404 for a run that is absent or someone else's."""
+    without_transaction(session)
+    found = repo.get_run_overview(session=session, run_id=run_id, owner=owner)
+    if found is None:
+        raise run_not_found(run_id)
+    fields = _run_fields(found.run, found.content_hash, found.recipe, found.anomalies_by_kind)
+    fields["attempt"] = AttemptRead.model_validate(found.attempt) if found.attempt is not None else None
+    fields["recipe"] = found.recipe
     return RunDetail.model_validate(fields)
 
 
@@ -82,7 +92,7 @@ def run_detail(session: Session, run: Run) -> RunDetail:
     },
     openapi_extra=recipe_request_body("A stability recipe (`apiVersion: ballast/v1`)."),
 )
-def submit_run(
+async def submit_run(
     principal: SubmitPrincipal,
     session: SessionDep,
     body: RecipeBody,
@@ -97,6 +107,12 @@ def submit_run(
             description="Client-chosen key (printable ASCII, e.g. a UUID) that makes resubmission safe.",
         ),
     ] = None,
+) -> RunRead:
+    return await in_db_thread(session, _submit, session, principal, body, response, idempotency_key)
+
+
+def _submit(
+    session: Session, principal: Principal, body: SubmittedRecipe, response: Response, idempotency_key: str | None
 ) -> RunRead:
     def replay(existing: Run) -> RunRead:
         if existing.recipe.content_hash != body.content_hash:
@@ -138,7 +154,7 @@ def submit_run(
     "nothing). Page with `cursor` = the previous page's `next`.",
     responses=problem_responses(401, 403, 422),
 )
-def list_runs(
+async def list_runs(
     principal: ReadPrincipal,
     session: SessionDep,
     state: Annotated[list[RunState] | None, Query(description="Only runs in these states (repeatable).")] = None,
@@ -151,7 +167,13 @@ def list_runs(
         if owner is not None and owner != principal.name:
             return Page[RunRead](data=[], count=0, next=None)
         owner = principal.name
-    page = repo.list_runs(session=session, owner=owner, states=state or (), name=name, limit=limit, cursor=cursor)
+    return await in_db_thread(session, _list_page, session, owner, state or (), name, limit, cursor)
+
+
+def _list_page(
+    session: Session, owner: str | None, states: Sequence[RunState], name: str | None, limit: int, cursor: str | None
+) -> Page[RunRead]:
+    page = repo.list_runs(session=session, owner=owner, states=states, name=name, limit=limit, cursor=cursor)
     counts = repo.anomaly_counts(session=session, run_ids=[r.id for r in page.rows])
     return Page[RunRead](data=[run_read(r, counts[r.id]) for r in page.rows], count=page.count, next=page.next_cursor)
 
@@ -161,8 +183,8 @@ def list_runs(
     summary="A run: state, current attempt, summary and recipe",
     responses=problem_responses(401, 403, 404, 422),
 )
-def get_run(run: ReadableRun, session: SessionDep) -> RunDetail:
-    return run_detail(session, run)
+async def get_run(run_id: RunId, principal: ReadPrincipal, session: SessionDep) -> RunDetail:
+    return await in_db_thread(session, _run_detail, session, run_id, principal.owner_filter)
 
 
 @router.post(
