@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import math
 import sys
-from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -17,18 +15,6 @@ from workers.data import MarkovSource, SpecError, build_data
 FIXTURES = "ballast_custom_fixtures"
 
 
-@pytest.fixture(autouse=True)
-def _one_thread() -> Iterator[None]:
-    """Small tensor ops run fastest single-threaded on a shared 2-core box."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
-@pytest.fixture
-def fixtures_on_path(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.syspath_prepend(str(Path(__file__).parent))
 
 
 def _custom_data(factory: str = f"{FIXTURES}:make_batch", **params: object) -> CustomData:

@@ -5,8 +5,7 @@ from __future__ import annotations
 import copy
 import math
 import sys
-from collections.abc import Callable, Iterator
-from pathlib import Path
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -39,18 +38,6 @@ FIXTURES = "ballast_custom_fixtures"
 GPT = TinyGPTModel(vocab_size=16, context=16, n_layers=2, n_heads=2, d_model=32)
 
 
-@pytest.fixture(autouse=True)
-def _one_thread() -> Iterator[None]:
-    """Tiny models run fastest single-threaded; two intra-op threads on a shared 2-core box are 10x slower."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
-@pytest.fixture
-def fixtures_on_path(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.syspath_prepend(str(Path(__file__).parent))
 
 
 def _markov(batch_size: int = 16) -> DataSource:
