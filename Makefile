@@ -36,7 +36,7 @@ test: setup
 lint: setup
 	@status=0; \
 	$(BIN)/ruff check . || status=1; \
-	$(BIN)/mypy api orchestrator workers migrations || status=1; \
+	$(BIN)/mypy api contracts orchestrator workers migrations || status=1; \
 	exit $$status
 
 demo: setup

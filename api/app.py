@@ -25,7 +25,7 @@ from api.errors import install_error_handlers, problem_response
 from api.metrics import AppMetrics, LatencyMiddleware
 from api.routes import API_PREFIX, api_routers, health_router
 from api.schemas import Problem
-from orchestrator.recipe import Recipe
+from contracts.recipe import Recipe
 from orchestrator.settings import Settings, get_settings
 from orchestrator.store.db import make_engine, make_session_factory
 

@@ -19,7 +19,7 @@ from sqlalchemy.orm import Session, sessionmaker
 from starlette.concurrency import run_in_threadpool
 
 from api.errors import ApiError
-from orchestrator.recipe import (
+from contracts.recipe import (
     FieldError,
     Recipe,
     RecipeError,

@@ -21,8 +21,8 @@ from sqlalchemy.exc import IntegrityError, OperationalError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from api.schemas import FieldErrorOut, Problem
-from orchestrator.recipe import FieldError, RecipeError
-from orchestrator.states import IllegalTransition
+from contracts.recipe import FieldError, RecipeError
+from orchestrator.policy.states import IllegalTransition
 from orchestrator.store.repo import BadCursor
 
 PROBLEM_JSON = "application/problem+json"

@@ -17,7 +17,7 @@ from prometheus_client.registry import Collector
 from sqlalchemy.orm import Session, sessionmaker
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from orchestrator.states import AttemptState, RunState
+from orchestrator.policy.states import AttemptState, RunState
 from orchestrator.store.models import AnomalyRow, Attempt, Run
 from orchestrator.store.repo import RECOVERY_KINDS
 

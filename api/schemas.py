@@ -13,7 +13,7 @@ from typing import Annotated, Any, Generic, Literal, TypeVar
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, WithJsonSchema
 
-from orchestrator.states import AttemptState, RunState
+from orchestrator.policy.states import AttemptState, RunState
 
 T = TypeVar("T")
 

@@ -111,7 +111,7 @@ def prepare(url: str) -> tuple[str, int]:
     """Migrate, issue an admin token and submit one run to read back; returns (token, run id)."""
     import migrations
     from api.auth import issue_token
-    from orchestrator.recipe import validate_recipe_data
+    from contracts.recipe import validate_recipe_data
     from orchestrator.store import repo
     from orchestrator.store.db import make_engine, make_session_factory, transaction
 

@@ -25,9 +25,10 @@ from typing import Any
 
 import torch
 
-from orchestrator.recipe import Recipe
+from contracts.recipe import Recipe
+from contracts.wire import AttemptSpec
 from workers.data import build_data
-from workers.engine import AttemptSpec, GuardedTrainer, WorkerContext
+from workers.engine import GuardedTrainer, WorkerContext
 from workers.models import build_model
 
 

@@ -31,7 +31,7 @@ sys.path.insert(0, str(REPO))
 import yaml  # noqa: E402
 
 import migrations  # noqa: E402
-from orchestrator.recipe import validate_recipe_data  # noqa: E402
+from contracts.recipe import validate_recipe_data  # noqa: E402
 from orchestrator.scheduler import RayLauncher, Scheduler  # noqa: E402
 from orchestrator.settings import Settings  # noqa: E402
 from orchestrator.store.db import make_engine, make_session_factory, transaction  # noqa: E402
@@ -110,7 +110,8 @@ def steps_per_s(stamped: list[tuple[int, float]]) -> float:
 def plain(doc: dict[str, Any], home: Path) -> float:
     import torch
 
-    from workers.engine import AttemptSpec, run_attempt
+    from contracts.wire import AttemptSpec
+    from workers.engine import run_attempt
     from workers.events import ListSink
 
     class StampingSink(ListSink):

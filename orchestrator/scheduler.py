@@ -1,5 +1,5 @@
 """The scheduler: claims queued runs, runs their attempts on Ray, streams their events into the store, and
-closes the recovery loop (divergence or crash → ``orchestrator.recovery.decide`` → the next attempt).
+closes the recovery loop (divergence or crash → ``orchestrator.policy.recovery.decide`` → the next attempt).
 
 One loop (``tick``), run in a background thread by ``ballast serve`` (``start``/``stop``) or in the foreground
 by ``ballast scheduler`` (``run_forever``). Each tick:
@@ -26,7 +26,6 @@ it again. A local Ray started by this process dies with it; its runs are then re
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import logging
 import math
 import os
@@ -40,16 +39,18 @@ import uuid
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
-from pathlib import Path
 from types import FrameType
 from typing import Any, Protocol
 
 import sqlalchemy as sa
 from sqlalchemy.orm import Session, sessionmaker
 
+from contracts import checkpoint as contracts_checkpoint
+from contracts.checkpoint import CorruptCheckpoint, checkpoints_to_delete, local_dir
+from contracts.recipe import CustomData, CustomModel, Recipe, RecipeError, validate_recipe_data
+from contracts.wire import AttemptSpec
 from orchestrator.events import NAMESPACE, channel_actor_class
-from orchestrator.recipe import CustomData, CustomModel, Recipe, RecipeError, validate_recipe_data
-from orchestrator.recovery import (
+from orchestrator.policy.recovery import (
     ATTEMPT_KINDS,
     AttemptRecord,
     CheckpointRecord,
@@ -58,14 +59,14 @@ from orchestrator.recovery import (
     decide,
     effective_recipe,
 )
-from orchestrator.settings import Settings
-from orchestrator.states import (
+from orchestrator.policy.states import (
     ACTIVE_RUN_STATES,
     TERMINAL_ATTEMPT_STATES,
     TERMINAL_RUN_STATES,
     AttemptState,
     RunState,
 )
+from orchestrator.settings import Settings
 from orchestrator.store.db import transaction
 from orchestrator.store.ingest import finite_or_none, ingest_events, jsonable
 from orchestrator.store.models import Attempt, CheckpointRow, Run, utcnow
@@ -507,8 +508,6 @@ class Scheduler:
 
     def _spec_dict(self, s: Session, run: Run, attempt: Attempt) -> dict[str, Any]:
         """The attempt's ``AttemptSpec`` (effective recipe, resume point, plan) as the workers receive it."""
-        from workers.engine import AttemptSpec
-
         recipe = self._recipe(run)
         eff = effective_recipe(recipe, attempt.overrides or {})
         plan = attempt.plan or {}
@@ -867,7 +866,6 @@ class Scheduler:
     def _retention(self, s: Session, run: Run) -> list[str]:
         """Keep the newest ``checkpoint.keep`` (by write order) plus the newest healthy; mark the rest
         deleted. Returns the directories to remove once committed (never one a live row still names)."""
-        from workers.checkpoint import checkpoints_to_delete
 
         try:
             recipe = self._recipe(run)
@@ -1063,42 +1061,19 @@ def _join(root: str, *parts: str) -> str:
     return "/".join([root.rstrip("/"), *parts])
 
 
-def _local_dir(uri: str) -> Path | None:
-    if uri.startswith("file://"):
-        uri = uri[len("file://") :]
-    return None if "://" in uri else Path(uri)
-
-
 def verify_checkpoint(uri: str, sha256: str | None) -> str | None:
     """Why a checkpoint cannot be resumed from, or None if it can (or cannot be checked from here).
 
     Local directories are verified fully (manifest checksum, recorded digest, every file's size and sha256),
     so a corrupt newest checkpoint costs no failed attempt. Remote URIs are left to the worker's verified load.
     """
-    from workers.checkpoint import CorruptCheckpoint, read_manifest
-
-    path = _local_dir(uri)
+    path = local_dir(uri)
     if path is None:
         return None
     try:
-        manifest = read_manifest(path)
+        contracts_checkpoint.verify_checkpoint(path, expected_sha256=sha256 or None)
     except CorruptCheckpoint as exc:
         return exc.reason
-    if sha256 and manifest.sha256 != sha256:
-        return f"manifest sha256 {manifest.sha256[:12]}… differs from the recorded {sha256[:12]}…"
-    for name, entry in manifest.files.items():
-        fpath = path / name
-        try:
-            if fpath.stat().st_size != entry.get("bytes"):
-                return f"{name} has the wrong size"
-            digest = hashlib.sha256()
-            with fpath.open("rb") as fh:
-                for chunk in iter(lambda: fh.read(1 << 20), b""):
-                    digest.update(chunk)
-        except OSError as exc:
-            return f"{name} is unreadable: {exc}"
-        if digest.hexdigest() != entry.get("sha256"):
-            return f"{name} sha256 mismatch"
     return None
 
 
@@ -1108,7 +1083,7 @@ def _remove_checkpoint_dirs(uris: Sequence[str], root: str) -> None:
         if not uri.startswith(root.rstrip("/") + "/"):
             log.warning("not deleting %s: outside the checkpoint root %s", uri, root)
             continue
-        local = _local_dir(uri)
+        local = local_dir(uri)
         try:
             if local is not None:
                 shutil.rmtree(local, ignore_errors=True)

@@ -7,7 +7,7 @@ import re
 from pathlib import Path
 from types import ModuleType
 
-from orchestrator.recipe import load_recipe
+from contracts.recipe import load_recipe
 from orchestrator.settings import Settings
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -1,12 +1,7 @@
-"""Checkpoints: atomic, checksummed, loadable without unpickling arbitrary objects.
+"""Writing and loading checkpoints: atomic, checksummed, loadable without unpickling arbitrary objects.
 
-Layout of one checkpoint directory::
-
-    step_00000050/
-        manifest.json      format version, step, health verdict, meta, sha256 + size of every file, self-checksum
-        model.pt           one ``torch.save`` file per top-level key of the state dict
-        optimizer.pt
-        ...
+The format (layout, manifest, verification, retention) is ``contracts/checkpoint.py``; this module adds what
+needs torch: saving state dicts and unpickling them weights-only after verification.
 
 State format: ``state`` is a ``dict[str, Any]`` whose keys are file stems (letters, digits, ``_ - .``) and whose
 values hold only what ``torch.load(weights_only=True)`` accepts: tensors, dicts, lists, tuples, str, int, float,
@@ -33,27 +28,27 @@ import shutil
 import uuid
 from collections import OrderedDict
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
 import torch
 
-FORMAT = "ballast-checkpoint"
-FORMAT_VERSION = 1
-MANIFEST = "manifest.json"
+from contracts.checkpoint import (
+    FORMAT,
+    FORMAT_VERSION,
+    MANIFEST,
+    CorruptCheckpoint,
+    Manifest,
+    canonical_json,
+    check_expected,
+    read_manifest,
+    verify_files,
+)
+
 _KEY_RE = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]{0,99}$")
 _LEAF_TYPES = (str, int, float, bool, bytes, type(None), torch.Size, torch.dtype, torch.device)
-
-
-class CorruptCheckpoint(Exception):
-    """A checkpoint that must not be used: missing, incomplete, or failing its checksums."""
-
-    def __init__(self, path: str | Path, reason: str) -> None:
-        self.path = str(path)
-        self.reason = reason
-        super().__init__(f"corrupt checkpoint {self.path}: {reason}")
 
 
 @dataclass(frozen=True)
@@ -65,21 +60,6 @@ class CheckpointInfo:
     healthy: bool
 
 
-@dataclass(frozen=True)
-class Manifest:
-    step: int
-    healthy: bool
-    meta: dict[str, Any]
-    files: dict[str, dict[str, Any]]
-    """File name → {"sha256": hex, "bytes": size}."""
-    sha256: str
-    """The manifest's own checksum (``CheckpointInfo.sha256``)."""
-    created_at: str = ""
-    format_version: int = FORMAT_VERSION
-    raw: dict[str, Any] = field(default_factory=dict, repr=False)
-
-
-# ------------------------------------------------------------------------------------------------- helpers
 def _check_weights_only(obj: Any, path: str) -> None:
     # exact types: subclasses such as numpy.float64 (a float) or defaultdict (a dict) fail weights-only loading
     kind = type(obj)
@@ -99,11 +79,6 @@ def _check_weights_only(obj: Any, path: str) -> None:
         f"{path}: {kind.__module__}.{kind.__qualname__} cannot be loaded weights-only; "
         "store tensors, numbers, strings and lists/dicts of them"
     )
-
-
-def _canonical(obj: dict[str, Any]) -> bytes:
-    # NaN/Infinity are allowed (Python's JSON dialect): a diverged step's verdict may legitimately hold a NaN loss
-    return json.dumps(obj, sort_keys=True, separators=(",", ":")).encode()
 
 
 def _fsync_dir(path: Path) -> None:
@@ -126,7 +101,6 @@ def _write_synced(path: Path, data: bytes) -> None:
         os.fsync(fh.fileno())
 
 
-# ---------------------------------------------------------------------------------------------------- save
 def save_checkpoint(
     directory: str | Path, state: dict[str, Any], *, meta: dict[str, Any], overwrite: bool = False
 ) -> CheckpointInfo:
@@ -177,7 +151,7 @@ def save_checkpoint(
             "files": files,
             "meta": meta,
         }
-        checksum = hashlib.sha256(_canonical(body)).hexdigest()
+        checksum = hashlib.sha256(canonical_json(body)).hexdigest()
         manifest = {**body, "checksum": checksum}
         _write_synced(tmp / MANIFEST, json.dumps(manifest, indent=2, sort_keys=True).encode())
         _fsync_dir(tmp)
@@ -196,45 +170,6 @@ def save_checkpoint(
     return CheckpointInfo(path=target, sha256=checksum, step=step, healthy=healthy)
 
 
-# ---------------------------------------------------------------------------------------------------- load
-def read_manifest(directory: str | Path) -> Manifest:
-    """Read and verify the manifest alone (its format and self-checksum), without touching the data files."""
-    path = Path(directory)
-    if not path.is_dir():
-        raise CorruptCheckpoint(path, "no such checkpoint directory")
-    mpath = path / MANIFEST
-    if not mpath.is_file():
-        raise CorruptCheckpoint(path, f"{MANIFEST} is missing (the save never completed?)")
-    try:
-        raw = json.loads(mpath.read_bytes())
-    except (OSError, ValueError) as exc:
-        raise CorruptCheckpoint(path, f"{MANIFEST} is unreadable: {exc}") from exc
-    if not isinstance(raw, dict) or raw.get("format") != FORMAT:
-        raise CorruptCheckpoint(path, f"{MANIFEST} is not a Ballast checkpoint manifest")
-    version = raw.get("format_version")
-    if version != FORMAT_VERSION:
-        raise CorruptCheckpoint(path, f"unsupported format_version {version!r} (this build reads {FORMAT_VERSION})")
-    checksum = raw.get("checksum")
-    body = {k: v for k, v in raw.items() if k != "checksum"}
-    actual = hashlib.sha256(_canonical(body)).hexdigest()
-    if checksum != actual:
-        raise CorruptCheckpoint(path, f"{MANIFEST} checksum mismatch (manifest was modified or damaged)")
-    files = raw.get("files")
-    step = raw.get("step")
-    if not isinstance(files, dict) or not files or not isinstance(step, int):
-        raise CorruptCheckpoint(path, f"{MANIFEST} lacks files or step")
-    return Manifest(
-        step=step,
-        healthy=bool(raw.get("healthy", False)),
-        meta=dict(raw.get("meta") or {}),
-        files=files,
-        sha256=actual,
-        created_at=str(raw.get("created_at", "")),
-        format_version=version,
-        raw=raw,
-    )
-
-
 def load_checkpoint(
     directory: str | Path, *, expected_sha256: str | None = None, keys: Sequence[str] | None = None
 ) -> tuple[dict[str, Any], Manifest]:
@@ -245,35 +180,18 @@ def load_checkpoint(
     """
     path = Path(directory)
     manifest = read_manifest(path)
-    if expected_sha256 is not None and manifest.sha256 != expected_sha256:
-        raise CorruptCheckpoint(
-            path, f"checkpoint sha256 {manifest.sha256} differs from the recorded {expected_sha256}"
-        )
+    check_expected(path, manifest, expected_sha256)
     wanted = None if keys is None else {f"{k}.pt" for k in keys}
     if wanted is not None and not wanted <= set(manifest.files):
         missing = sorted(k.removesuffix(".pt") for k in wanted - set(manifest.files))
         raise KeyError(f"checkpoint {path} has no state part(s) {missing}")
-    state: dict[str, Any] = {}
     order = manifest.raw.get("keys")
     names = [f"{k}.pt" for k in order] if isinstance(order, list) else sorted(manifest.files)
     if set(names) != set(manifest.files):
         raise CorruptCheckpoint(path, f"{MANIFEST} lists keys that do not match its files")
-    for name in names:
-        if wanted is not None and name not in wanted:
-            continue
-        entry = manifest.files[name]
-        fpath = path / name
-        try:
-            data = fpath.read_bytes()
-        except FileNotFoundError:
-            raise CorruptCheckpoint(path, f"{name} is missing") from None
-        except OSError as exc:
-            raise CorruptCheckpoint(path, f"{name} is unreadable: {exc}") from exc
-        if len(data) != entry.get("bytes"):
-            raise CorruptCheckpoint(path, f"{name} has {len(data)} bytes, the manifest says {entry.get('bytes')} "
-                                          "(truncated or overwritten)")
-        if hashlib.sha256(data).hexdigest() != entry.get("sha256"):
-            raise CorruptCheckpoint(path, f"{name} sha256 mismatch (damaged contents)")
+    blobs = verify_files(path, manifest, [n for n in names if wanted is None or n in wanted])
+    state: dict[str, Any] = {}
+    for name, data in blobs.items():
         try:
             value = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
         except Exception as exc:
@@ -282,69 +200,6 @@ def load_checkpoint(
     return state, manifest
 
 
-# ----------------------------------------------------------------------------------------------- retention
-def checkpoints_to_delete(entries: Sequence[tuple[int, bool]], *, keep: int, keep_healthy: bool) -> list[int]:
-    """Steps to delete from ``entries`` = [(step, healthy), ...]: keep the newest ``keep`` and, when
-    ``keep_healthy``, also the newest healthy one (however old), since a rollback needs it. Sorted ascending."""
-    if keep < 0:
-        raise ValueError(f"keep must be >= 0, got {keep}")
-    steps = [s for s, _ in entries]
-    if len(set(steps)) != len(steps):
-        raise ValueError(f"duplicate checkpoint steps in {sorted(steps)}")
-    newest_first = sorted(entries, key=lambda e: e[0], reverse=True)
-    kept = {s for s, _ in newest_first[:keep]}
-    if keep_healthy:
-        newest_healthy = next((s for s, ok in newest_first if ok), None)
-        if newest_healthy is not None:
-            kept.add(newest_healthy)
-    return sorted(s for s in steps if s not in kept)
-
-
-def list_checkpoints(root_dir: str | Path) -> list[tuple[Path, Manifest]]:
-    """Complete checkpoints directly under ``root_dir`` (valid manifest), oldest first. Hidden temporaries and
-    directories without a readable manifest are not listed."""
-    root = Path(root_dir)
-    if not root.is_dir():
-        return []
-    found: list[tuple[Path, Manifest]] = []
-    for child in root.iterdir():
-        if child.name.startswith(".") or not child.is_dir():
-            continue
-        try:
-            found.append((child, read_manifest(child)))
-        except CorruptCheckpoint:
-            continue
-    return sorted(found, key=lambda pm: pm[1].step)
-
-
-def latest_checkpoint(root_dir: str | Path, *, healthy_only: bool = False) -> tuple[Path, Manifest] | None:
-    """The newest checkpoint under ``root_dir`` (optionally the newest healthy one), or None."""
-    for path, manifest in reversed(list_checkpoints(root_dir)):
-        if manifest.healthy or not healthy_only:
-            return path, manifest
-    return None
-
-
-def apply_retention(root_dir: str | Path, keep: int, keep_healthy: bool) -> list[Path]:
-    """Delete the checkpoints under ``root_dir`` that :func:`checkpoints_to_delete` names (plain-process runs;
-    under Ray Train its ``CheckpointConfig`` does this). Each is renamed to a hidden name first, so a crash
-    mid-delete never leaves a half-deleted directory that looks like a checkpoint. Returns the deleted paths."""
-    listed = list_checkpoints(root_dir)
-    by_step = {m.step: p for p, m in listed}
-    if len(by_step) != len(listed):
-        raise ValueError(f"two checkpoints under {root_dir} have the same step")
-    doomed = checkpoints_to_delete([(m.step, m.healthy) for _, m in listed], keep=keep, keep_healthy=keep_healthy)
-    deleted: list[Path] = []
-    for step in doomed:
-        path = by_step[step]
-        trash = path.parent / f".{path.name}.deleting-{uuid.uuid4().hex[:12]}"
-        path.rename(trash)
-        shutil.rmtree(trash, ignore_errors=True)
-        deleted.append(path)
-    return deleted
-
-
-# --------------------------------------------------------------------------------------------------- RNG
 def rng_state() -> dict[str, Any]:
     """Python, numpy and torch (CPU and CUDA) RNG states as tensors and primitives (weights-only loadable)."""
     version, mt, gauss = random.getstate()

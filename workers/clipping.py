@@ -19,7 +19,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from orchestrator.recipe import ClipMethod, Clipping
+from contracts.recipe import ClipMethod, Clipping
 
 _EPS = 1e-6
 """Added to norms in divisions, as ``torch.nn.utils.clip_grad_norm_`` does."""

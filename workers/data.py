@@ -26,7 +26,7 @@ from typing import Any, Literal, Protocol
 import torch
 from torch import Tensor
 
-from orchestrator.recipe import CustomData, DataSpec, MarkovData, RegressionData, SequenceData, SequenceTask
+from contracts.recipe import CustomData, DataSpec, MarkovData, RegressionData, SequenceData, SequenceTask
 
 DataKind = Literal["tokens", "features", "sequence"]
 

@@ -36,7 +36,7 @@ from typing import Any
 
 from pydantic import BaseModel
 
-from orchestrator.recipe import (
+from contracts.recipe import (
     Action,
     Detectors,
     GradNormSpikeDetector,
@@ -46,6 +46,7 @@ from orchestrator.recipe import (
     StagnationDetector,
     VanishingDetector,
 )
+from contracts.wire import finite_or_none
 
 STATE_VERSION = 1
 LOSS_STD_FLOOR = 1e-3
@@ -118,8 +119,8 @@ class Finding:
             "rank": self.rank,
             "kind": self.kind,
             "detector": self.detector,
-            "value": _finite_or_none(self.value),
-            "threshold": _finite_or_none(self.threshold),
+            "value": finite_or_none(self.value),
+            "threshold": finite_or_none(self.threshold),
             "action": str(Action(self.action)),
             "details": self.details,
         }
@@ -144,10 +145,6 @@ class Decision:
 
 
 # ------------------------------------------------------------------------------------------------- helpers
-def _finite_or_none(x: float | None) -> float | None:
-    return float(x) if x is not None and math.isfinite(x) else None
-
-
 def _num(x: float) -> float | str:
     """A JSON-safe number: finite floats as they are, nan/inf as strings."""
     return float(x) if math.isfinite(x) else str(x)

@@ -27,7 +27,7 @@ import statistics
 import tempfile
 import time
 from collections.abc import Iterator, Mapping, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -36,159 +36,34 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from orchestrator.recipe import (
+from contracts.checkpoint import apply_retention
+from contracts.overrides import apply_overrides
+from contracts.recipe import (
     Action,
     Compression,
     DType,
     LossScaling,
     OptimizerName,
     Recipe,
-    recipe_to_dict,
-    validate_recipe_data,
 )
-from workers.checkpoint import apply_retention, load_checkpoint, rng_state, save_checkpoint, set_rng_state
+from contracts.wire import AttemptOutcome, AttemptSpec, SavedCheckpoint, finite_or_none
+from workers.checkpoint import load_checkpoint, rng_state, save_checkpoint, set_rng_state
 from workers.clipping import Clipper, global_norm, grad_norms, param_snapshot
 from workers.data import DataSource, build_data
 from workers.detectors import Decision, DetectorSuite, Finding, StepSignals, diagnose_depth
 from workers.events import EventSink
 from workers.faults import FaultInjector
 from workers.models import build_model, freeze_first_n_blocks, param_block_index, set_activation_checkpointing
-from workers.overrides import apply_overrides
 from workers.precision import LossScaler, autocast
 from workers.schedule import lr_at
-
-OUTCOMES = ("succeeded", "diverged", "cancelled")
 
 
 class EngineConfigError(ValueError):
     """A recipe setting this engine or backend cannot run; the message starts with the field path."""
 
 
-# ------------------------------------------------------------------------------------------- the attempt
-@dataclass(kw_only=True)
-class AttemptSpec:
-    """Everything one attempt needs; JSON-able through ``to_dict`` / ``from_dict`` (it travels to Ray workers).
-
-    ``data_offset`` shifts the whole data stream of the attempt: micro-batch index =
-    ``(step + data_offset) * grad_accum_steps + micro`` (the recovery policy sets it to skip a bad data window).
-    ``rewarm_steps`` re-warms the LR linearly from the resumed step.
-    """
-
-    recipe: Recipe
-    """The effective recipe (the run's recipe with this attempt's overrides applied)."""
-    checkpoint_dir: str
-    """Where a plain-process attempt writes ``step_XXXXXXXX`` checkpoints (Ray Train mode: a scratch area)."""
-    attempt: int = 1
-    resume_from: str | None = None
-    """Checkpoint directory (or URI) to resume from; None starts from initialisation."""
-    rewarm_steps: int = 0
-    data_offset: int = 0
-    run_id: int | None = None
-    allowed_import_modules: list[str] = field(default_factory=list)
-    """The operator's allow-list for custom ``module:function`` models and data (re-checked on the worker)."""
-
-    def to_dict(self) -> dict[str, Any]:
-        return {
-            "recipe": recipe_to_dict(self.recipe),
-            "checkpoint_dir": self.checkpoint_dir,
-            "attempt": self.attempt,
-            "resume_from": self.resume_from,
-            "rewarm_steps": self.rewarm_steps,
-            "data_offset": self.data_offset,
-            "run_id": self.run_id,
-            "allowed_import_modules": list(self.allowed_import_modules),
-        }
-
-    @classmethod
-    def from_dict(cls, data: Mapping[str, Any]) -> AttemptSpec:
-        allowed = list(data.get("allowed_import_modules") or [])
-        recipe = data["recipe"]
-        if not isinstance(recipe, Recipe):
-            recipe = validate_recipe_data(recipe, allowed_import_modules=allowed)
-        return cls(
-            recipe=recipe,
-            checkpoint_dir=str(data["checkpoint_dir"]),
-            attempt=int(data.get("attempt", 1)),
-            resume_from=data.get("resume_from"),
-            rewarm_steps=int(data.get("rewarm_steps", 0)),
-            data_offset=int(data.get("data_offset", 0)),
-            run_id=data.get("run_id"),
-            allowed_import_modules=allowed,
-        )
-
-    def __post_init__(self) -> None:
-        if self.attempt < 1:
-            raise ValueError(f"attempt must be >= 1, got {self.attempt}")
-        if self.rewarm_steps < 0 or self.data_offset < 0:
-            raise ValueError("rewarm_steps and data_offset must be >= 0")
-
-
-@dataclass(frozen=True)
-class SavedCheckpoint:
-    step: int
-    """Completed steps when it was written (the next step to run on resume)."""
-    path: str
-    """Local path (plain process) or URI (Ray Train: ``checkpoint_uri_prefix/step_XXXXXXXX``)."""
-    healthy: bool
-    sha256: str
-
-
-@dataclass
-class AttemptResult:
-    outcome: str
-    """succeeded | diverged | cancelled"""
-    attempt: int
-    start_step: int
-    final_step: int
-    """Completed (applied or skipped) steps when the attempt ended; a rollback step is not completed."""
-    onset_step: int | None = None
-    detector: str | None = None
-    """Kind of the anomaly that ended a diverged attempt (e.g. ``nonfinite``, ``divergence``)."""
-    value: float | None = None
-    reason: str = ""
-    findings: list[dict[str, Any]] = field(default_factory=list)
-    """Every anomaly, as its event payload."""
-    losses: list[float] = field(default_factory=list)
-    """Loss (mean over ranks) of every step observed, from ``start_step`` on (including a rollback step)."""
-    grad_norms: list[float] = field(default_factory=list)
-    """Pre-clip global grad norm (max over ranks) of every step observed."""
-    skipped_steps: list[int] = field(default_factory=list)
-    checkpoints: list[SavedCheckpoint] = field(default_factory=list)
-    median_grad_norm: float | None = None
-    """Median pre-clip grad norm over healthy applied steps (input for clip_to_median_multiple)."""
-    loss_scale_collapsed: bool = False
-    loss_scales: list[float | None] = field(default_factory=list)
-    previous: list[AttemptResult] = field(default_factory=list)
-    """Earlier attempts run in place in the same worker group (in-place recovery), oldest first."""
-
-    def end_event(self) -> dict[str, Any]:
-        """The ``end`` event payload (see ``workers/events.py``)."""
-        return {
-            "outcome": self.outcome,
-            "final_step": self.final_step,
-            "onset_step": self.onset_step,
-            "detector": self.detector,
-            "value": _finite_or_none(self.value),
-            "reason": self.reason,
-            "median_grad_norm": self.median_grad_norm,
-            "loss_scale_collapsed": self.loss_scale_collapsed,
-        }
-
-    def to_dict(self) -> dict[str, Any]:
-        out = asdict(self)
-        out["losses"] = [_finite_or_none(x) for x in self.losses]
-        out["grad_norms"] = [_finite_or_none(x) for x in self.grad_norms]
-        out["value"] = _finite_or_none(self.value)
-        out["previous"] = [p.to_dict() for p in self.previous]
-        return out
-
-
 class PlanningSink(EventSink, Protocol):
     def request_plan(self, end_data: dict[str, Any]) -> dict[str, Any] | None: ...
-
-
-def _finite_or_none(x: float | None) -> float | None:
-    return float(x) if x is not None and math.isfinite(x) else None
 
 
 # ------------------------------------------------------------------------------------ process context
@@ -334,7 +209,7 @@ class GuardedTrainer:
                 self._prime_ddp_buckets()
             self._restore(saved)
 
-        self.result = AttemptResult(outcome="succeeded", attempt=spec.attempt, start_step=self.start_step,
+        self.result = AttemptOutcome(outcome="succeeded", attempt=spec.attempt, start_step=self.start_step,
                                     final_step=self.start_step)
         self._healthy_norms: list[float] = []
         self._findings_since_checkpoint = 0
@@ -445,7 +320,7 @@ class GuardedTrainer:
             self._pending_update_ratio = torch.tensor(float(ratio), device=self.device)
 
     # ------------------------------------------------------------------------------------------ train
-    def train(self) -> AttemptResult:
+    def train(self) -> AttemptOutcome:
         """Run steps until max_steps, a rollback decision, or a stop request; then emit ``end``."""
         r = self.recipe
         max_steps = r.training.max_steps
@@ -619,9 +494,9 @@ class GuardedTrainer:
             self.sink.emit("anomaly", f.to_event())
         self.sink.emit("metric", {
             "step": step,
-            "loss": _finite_or_none(s.loss),
-            "grad_norm": _finite_or_none(s.grad_norm),
-            "grad_norm_clipped": _finite_or_none(post_norm) if applied else None,
+            "loss": finite_or_none(s.loss),
+            "grad_norm": finite_or_none(s.grad_norm),
+            "grad_norm_clipped": finite_or_none(post_norm) if applied else None,
             "lr": lr,
             "loss_scale": s.loss_scale if s.loss_scale is not None else (
                 self.recipe.precision.static_scale if self.scaler.enabled else None),
@@ -630,13 +505,13 @@ class GuardedTrainer:
         })
         if layer_norms is not None:
             names = [n for n, _ in self.named_params]
-            per_layer = {n: _finite_or_none(float(v)) for n, v in zip(names, layer_norms.tolist(), strict=True)}
+            per_layer = {n: finite_or_none(float(v)) for n, v in zip(names, layer_norms.tolist(), strict=True)}
             threshold = self.recipe.detectors.vanishing.depth_slope_threshold
             self.sink.emit("layer_stats", {
                 "step": step,
                 "layer_grad_norms": per_layer,
                 "block_grad_norms": s.layer_grad_norms,
-                "update_ratio": _finite_or_none(s.update_ratio),
+                "update_ratio": finite_or_none(s.update_ratio),
                 "diagnosis": diagnose_depth(s.layer_grad_norms, threshold) if s.layer_grad_norms else None,
             })
 
@@ -663,7 +538,7 @@ class GuardedTrainer:
             "weights_finite": weights_finite,
             "anomalies_since_previous": self._findings_since_checkpoint,
             "loss_in_bounds": loss_ok,
-            "loss": _finite_or_none(self._last_loss),
+            "loss": finite_or_none(self._last_loss),
         }
         healthy = weights_finite and loss_ok and self._findings_since_checkpoint == 0
         self._findings_since_checkpoint = 0
@@ -700,7 +575,7 @@ class GuardedTrainer:
             saved = SavedCheckpoint(step=step, path=uri, healthy=healthy, sha256=info.sha256)
             self.result.checkpoints.append(saved)
             self._emit("checkpoint", {"step": step, "uri": uri, "sha256": info.sha256, "healthy": healthy,
-                                      "verdict": verdict, "metrics": {"loss": _finite_or_none(self._last_loss)}})
+                                      "verdict": verdict, "metrics": {"loss": finite_or_none(self._last_loss)}})
             if self.sink is not None:
                 self.sink.flush()
             if ctx.ray_train:
@@ -720,7 +595,7 @@ class GuardedTrainer:
     def _report_to_ray(self, step: int, name: str, path: Path | None, healthy: bool) -> None:
         import ray.train
 
-        metrics = {"step": step, "healthy": healthy, "loss": _finite_or_none(self._last_loss),
+        metrics = {"step": step, "healthy": healthy, "loss": finite_or_none(self._last_loss),
                    "attempt": self.spec.attempt}
         checkpoint = ray.train.Checkpoint.from_directory(str(path)) if path is not None else None
         ray.train.report(metrics, checkpoint=checkpoint, checkpoint_dir_name=name)
@@ -771,10 +646,10 @@ def _next_spec(spec: AttemptSpec, plan: Mapping[str, Any]) -> AttemptSpec:
     )
 
 
-def _run(spec: AttemptSpec, ctx: WorkerContext, sink: EventSink | None, resume: str | None) -> AttemptResult:
+def _run(spec: AttemptSpec, ctx: WorkerContext, sink: EventSink | None, resume: str | None) -> AttemptOutcome:
     """Run attempts in this worker group: the spec's, then any in-place recovery plan the sink hands back."""
     deterministic_before = torch.are_deterministic_algorithms_enabled()
-    history: list[AttemptResult] = []
+    history: list[AttemptOutcome] = []
     try:
         while True:
             with _materialize(resume) as resume_dir:
@@ -795,7 +670,7 @@ def _run(spec: AttemptSpec, ctx: WorkerContext, sink: EventSink | None, resume: 
         torch.use_deterministic_algorithms(deterministic_before)
 
 
-def run_attempt(spec: AttemptSpec, sink: EventSink | None = None) -> AttemptResult:
+def run_attempt(spec: AttemptSpec, sink: EventSink | None = None) -> AttemptOutcome:
     """Run one attempt in this process (world size 1, or the ranks of an initialised process group)."""
     ctx = _plain_context(spec.recipe)
     Path(spec.checkpoint_dir).mkdir(parents=True, exist_ok=True)
@@ -825,7 +700,7 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
 
 
 __all__ = [
-    "AttemptResult",
+    "AttemptOutcome",
     "AttemptSpec",
     "EngineConfigError",
     "GuardedTrainer",

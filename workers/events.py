@@ -1,26 +1,8 @@
-"""What a worker tells the control plane, and the channel it tells it through.
-
-Every event is a plain dict envelope ``{"seq": int, "type": str, "data": {...}}`` with ``seq`` increasing by one
-per attempt, so the store can ingest idempotently (a redelivered event never duplicates a row). Only rank 0
-emits; detector decisions are identical on all ranks because their inputs are all-reduced first.
-
-Event types and their ``data``:
-
-- ``metric``: step, loss, grad_norm (before clipping), grad_norm_clipped, lr, loss_scale, throughput
-  (samples/s), skipped (bool)
-- ``layer_stats``: step, layer_grad_norms {name: float}, update_ratio (float), diagnosis (str | None)
-- ``anomaly``: step, rank, kind, detector, value, threshold, action, details {...}
-- ``checkpoint``: step, uri, sha256, healthy (bool), verdict {...}, metrics {...}
-- ``end``: outcome ("succeeded" | "diverged" | "cancelled"), final_step, onset_step (int | None),
-  detector (str | None), value (float | None), reason (str), median_grad_norm (float | None),
-  loss_scale_collapsed (bool)
-"""
+"""Where the engine sends its events (the envelope and payloads are ``contracts/wire.py``)."""
 
 from __future__ import annotations
 
 from typing import Any, Protocol
-
-EVENT_TYPES = frozenset({"metric", "layer_stats", "anomaly", "checkpoint", "end"})
 
 
 class EventSink(Protocol):

@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from orchestrator.recipe import (
+from contracts.recipe import (
     BatchScaleFault,
     CorruptCheckpointFault,
     GradScaleFault,

@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
-from orchestrator.recipe import (
+from contracts.recipe import (
     Activation,
     CustomModel,
     DeepMLPModel,

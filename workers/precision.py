@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from orchestrator.recipe import DType, LossScaling, Precision
+from contracts.recipe import DType, LossScaling, Precision
 
 _DTYPES = {DType.bf16: torch.bfloat16, DType.fp16: torch.float16}
 

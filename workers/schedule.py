@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import math
 
-from orchestrator.recipe import Decay, Schedule
+from contracts.recipe import Decay, Schedule
 
 
 def lr_at(

@@ -31,7 +31,7 @@ from rich.text import Text
 
 from api.cli.app import app
 from api.client import DEFAULT_URL, ApiError, BallastClient, ClientError
-from orchestrator.states import TERMINAL_ATTEMPT_STATES, TERMINAL_RUN_STATES, RunState
+from orchestrator.policy.states import TERMINAL_ATTEMPT_STATES, TERMINAL_RUN_STATES, RunState
 
 runs_app = typer.Typer(help="List, inspect, cancel and retry runs.", no_args_is_help=True)
 app.add_typer(runs_app, name="runs")

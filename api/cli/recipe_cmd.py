@@ -10,7 +10,7 @@ from typing import Any
 import typer
 
 from api.cli.app import app
-from orchestrator.recipe import RecipeError, load_recipe, recipe_json_schema
+from contracts.recipe import RecipeError, load_recipe, recipe_json_schema
 from orchestrator.settings import get_settings
 
 recipe_app = typer.Typer(help="Validate recipes and print their JSON Schema.", no_args_is_help=True)

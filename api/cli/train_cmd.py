@@ -25,7 +25,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from api.cli.app import app
-from orchestrator.recipe import Recipe, RecipeError, load_recipe
+from contracts.recipe import Recipe, RecipeError, load_recipe
 from orchestrator.settings import get_settings
 from workers.events import ListSink
 
@@ -95,7 +95,7 @@ def _fail(message: str) -> typer.Exit:
 
 
 def _load(path: Path, steps: int | None, workers: int | None) -> Recipe:
-    from workers.overrides import apply_overrides
+    from contracts.overrides import apply_overrides
 
     settings = get_settings()
     try:
@@ -156,9 +156,10 @@ def train(
     as_json: bool = typer.Option(False, "--json", help="Print the result as JSON instead of the progress line."),
 ) -> None:
     """Run one recipe locally (no server). Exit 0 on success, 1 on divergence, 2 on a bad recipe."""
-    from workers.checkpoint import CorruptCheckpoint
+    from contracts.checkpoint import CorruptCheckpoint
+    from contracts.wire import AttemptSpec
     from workers.data import SpecError
-    from workers.engine import AttemptSpec, EngineConfigError
+    from workers.engine import EngineConfigError
     from workers.faults import InjectedCrash
 
     recipe = _load(recipe_file, steps, workers)

@@ -28,7 +28,7 @@ from api.errors import problem_responses
 from api.routes.anomalies import anomaly_read
 from api.routes.runs import run_read
 from api.schemas import MetricEvent, StateEvent
-from orchestrator.states import TERMINAL_RUN_STATES, RunState
+from orchestrator.policy.states import TERMINAL_RUN_STATES, RunState
 from orchestrator.store import repo
 from orchestrator.store.models import AnomalyRow, Attempt, Event, MetricPoint, Run
 

@@ -10,7 +10,7 @@ from api.auth import ReadableRun
 from api.deps import MAX_ID, SessionDep
 from api.errors import ApiError, problem_responses
 from api.schemas import MetricName, MetricSeries, MetricsRead
-from orchestrator.recipe import FieldError
+from contracts.recipe import FieldError
 from orchestrator.store import repo
 
 router = APIRouter(tags=["metrics"])

@@ -10,7 +10,7 @@ from api.auth import ReadPrincipal
 from api.deps import RecipeBody, recipe_request_body
 from api.errors import problem_responses
 from api.schemas import RecipeValidation
-from orchestrator.recipe import recipe_json_schema
+from contracts.recipe import recipe_json_schema
 
 router = APIRouter(tags=["recipes"])
 

@@ -22,8 +22,8 @@ from api.deps import (
 )
 from api.errors import ApiError, problem_responses
 from api.schemas import AttemptRead, Page, RetryRequest, RetryResult, RunDetail, RunRead, RunSummary
-from orchestrator.recipe import FieldError, RecipeError
-from orchestrator.states import RunState
+from contracts.recipe import FieldError, RecipeError
+from orchestrator.policy.states import RunState
 from orchestrator.store import repo
 from orchestrator.store.models import Run
 

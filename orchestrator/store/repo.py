@@ -1,7 +1,7 @@
 """Data-access functions. They take keyword arguments, only ``add``/``flush``; the caller owns the transaction.
 
 State changes of runs and attempts go through ``set_run_state`` / ``set_attempt_state`` only: each checks the
-transition table in ``orchestrator.states`` and writes an ``Event``.
+transition table in ``orchestrator.policy.states`` and writes an ``Event``.
 """
 
 from __future__ import annotations
@@ -20,8 +20,9 @@ import sqlalchemy as sa
 from sqlalchemy import select
 from sqlalchemy.orm import Session, joinedload
 
-from orchestrator.recipe import Recipe, recipe_to_dict
-from orchestrator.states import (
+from contracts.overrides import apply_overrides
+from contracts.recipe import Recipe, recipe_to_dict
+from orchestrator.policy.states import (
     TERMINAL_ATTEMPT_STATES,
     TERMINAL_RUN_STATES,
     AttemptState,
@@ -41,7 +42,6 @@ from orchestrator.store.models import (
     Run,
     utcnow,
 )
-from workers.overrides import apply_overrides
 
 T = TypeVar("T")
 

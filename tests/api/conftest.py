@@ -92,7 +92,7 @@ def seed_run(
     created_at: Any = None,
 ) -> int:
     """A run (and its recipe row) inserted directly, in any state, as the scheduler would leave it."""
-    from orchestrator.recipe import load_recipe
+    from contracts.recipe import load_recipe
     from orchestrator.store import repo
     from orchestrator.store.models import Run
 

@@ -31,8 +31,8 @@ from api.cli.app import app as cli
 from api.cli.client_cmd import PlainView, Tracker, sparkline
 from api.cli.serve_cmd import stop_with_app
 from api.client import BallastClient
+from orchestrator.policy.states import AttemptState, RunState
 from orchestrator.settings import Settings, get_settings
-from orchestrator.states import AttemptState, RunState
 from orchestrator.store import repo
 from orchestrator.store.db import make_engine
 from orchestrator.store.models import AnomalyRow, Attempt, MetricPoint, Run

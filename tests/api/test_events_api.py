@@ -11,7 +11,7 @@ from fastapi.testclient import TestClient
 from sqlalchemy.orm import Session, sessionmaker
 
 import api.routes.events as events_module
-from orchestrator.states import AttemptState, RunState
+from orchestrator.policy.states import AttemptState, RunState
 from orchestrator.store import repo
 from orchestrator.store.models import AnomalyRow, Attempt, MetricPoint, Run
 from tests.api.conftest import post_yaml

@@ -8,7 +8,7 @@ from collections.abc import Callable, Iterator
 import pytest
 from fastapi.testclient import TestClient
 
-from orchestrator.recipe import load_recipe, recipe_to_dict
+from contracts.recipe import load_recipe, recipe_to_dict
 from orchestrator.store.repo import content_hash
 from tests.api.conftest import YAML_RECIPE, post_yaml
 

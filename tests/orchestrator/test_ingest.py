@@ -10,7 +10,7 @@ import pytest
 import sqlalchemy as sa
 from sqlalchemy.orm import Session, sessionmaker
 
-from orchestrator.recipe import validate_recipe_data
+from contracts.recipe import validate_recipe_data
 from orchestrator.store.db import transaction
 from orchestrator.store.ingest import ingest_events
 from orchestrator.store.models import AnomalyRow, Attempt, CheckpointRow, MetricPoint, Run

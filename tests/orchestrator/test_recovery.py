@@ -8,8 +8,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from orchestrator.recipe import Recipe, validate_recipe_data
-from orchestrator.recovery import (
+from contracts.overrides import apply_overrides
+from contracts.recipe import Recipe, validate_recipe_data
+from orchestrator.policy.recovery import (
     MIN_AGC_LAMBDA,
     AttemptRecord,
     CheckpointRecord,
@@ -19,7 +20,6 @@ from orchestrator.recovery import (
     effective_values,
     normalize_overrides,
 )
-from workers.overrides import apply_overrides
 
 
 def recipe(**sections: Any) -> Recipe:

@@ -20,7 +20,7 @@ import yaml
 from sqlalchemy.orm import Session, sessionmaker
 
 import orchestrator.scheduler as sched_mod
-from orchestrator.recipe import validate_recipe_data
+from contracts.recipe import validate_recipe_data
 from orchestrator.scheduler import ChannelLost, Scheduler
 from orchestrator.settings import Settings
 from orchestrator.store.db import make_engine, make_session_factory, transaction

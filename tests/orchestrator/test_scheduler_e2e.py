@@ -21,7 +21,7 @@ import yaml
 from sqlalchemy.orm import Session, sessionmaker
 
 import migrations
-from orchestrator.recipe import load_recipe, validate_recipe_data
+from contracts.recipe import load_recipe, validate_recipe_data
 from orchestrator.scheduler import Scheduler
 from orchestrator.settings import Settings
 from orchestrator.store.db import make_engine, make_session_factory, transaction

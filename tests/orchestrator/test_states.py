@@ -1,6 +1,6 @@
 """Run and attempt state machines: the transition tables, and every change through the store on both backends.
 
-The expected tables are written out here on purpose (not read from ``orchestrator.states``): they are the
+The expected tables are written out here on purpose (not read from ``orchestrator.policy.states``): they are the
 contract the scheduler, recovery and API rely on, so changing one must be a visible edit to this file too.
 """
 
@@ -13,7 +13,7 @@ import pytest
 import sqlalchemy as sa
 from sqlalchemy.orm import Session, sessionmaker
 
-from orchestrator.states import (
+from orchestrator.policy.states import (
     ACTIVE_RUN_STATES,
     TERMINAL_ATTEMPT_STATES,
     TERMINAL_RUN_STATES,

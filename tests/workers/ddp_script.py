@@ -16,8 +16,9 @@ from typing import Any
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from orchestrator.recipe import Recipe
-from workers.engine import AttemptSpec, run_attempt
+from contracts.recipe import Recipe
+from contracts.wire import AttemptSpec
+from workers.engine import run_attempt
 from workers.events import ListSink
 
 

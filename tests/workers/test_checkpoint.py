@@ -11,18 +11,15 @@ import numpy as np
 import pytest
 import torch
 
-from workers.checkpoint import (
+from contracts.checkpoint import (
     CorruptCheckpoint,
     apply_retention,
     checkpoints_to_delete,
     latest_checkpoint,
     list_checkpoints,
-    load_checkpoint,
     read_manifest,
-    rng_state,
-    save_checkpoint,
-    set_rng_state,
 )
+from workers.checkpoint import load_checkpoint, rng_state, save_checkpoint, set_rng_state
 
 
 def _state() -> dict[str, Any]:

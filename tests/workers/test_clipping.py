@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch import nn
 
-from orchestrator.recipe import Clipping
+from contracts.recipe import Clipping
 from workers.clipping import (
     ZSCORE_STD_FLOOR,
     Clipper,

@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 import torch
 
-from orchestrator.recipe import CustomData, MarkovData, RegressionData, SequenceData
+from contracts.recipe import CustomData, MarkovData, RegressionData, SequenceData
 from workers.data import MarkovSource, SpecError, build_data
 
 FIXTURES = "ballast_custom_fixtures"

@@ -12,7 +12,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from orchestrator.recipe import Action, Detectors
+from contracts.recipe import Action, Detectors
 from workers.detectors import (
     Decision,
     DetectorSuite,

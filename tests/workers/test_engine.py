@@ -12,9 +12,11 @@ from typing import Any
 import pytest
 import torch
 
-from orchestrator.recipe import Recipe
-from workers.checkpoint import CorruptCheckpoint, list_checkpoints, load_checkpoint
-from workers.engine import AttemptResult, AttemptSpec, EngineConfigError, GuardedTrainer, WorkerContext, run_attempt
+from contracts.checkpoint import CorruptCheckpoint, list_checkpoints
+from contracts.recipe import Recipe
+from contracts.wire import AttemptOutcome, AttemptSpec
+from workers.checkpoint import load_checkpoint
+from workers.engine import EngineConfigError, GuardedTrainer, WorkerContext, run_attempt
 from workers.events import ListSink
 from workers.faults import InjectedCrash
 
@@ -46,7 +48,7 @@ def make_recipe(**sections: Any) -> Recipe:
     return Recipe.model_validate(_merge(BASE, sections))
 
 
-def run(recipe: Recipe, tmp_path: Path, sink: ListSink | None = None, **spec: Any) -> AttemptResult:
+def run(recipe: Recipe, tmp_path: Path, sink: ListSink | None = None, **spec: Any) -> AttemptOutcome:
     spec.setdefault("checkpoint_dir", str(tmp_path / "ckpt"))
     return run_attempt(AttemptSpec(recipe=recipe, **spec), sink)
 

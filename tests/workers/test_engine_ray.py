@@ -15,9 +15,10 @@ from typing import Any
 
 import pytest
 
-from orchestrator.recipe import Recipe
+from contracts.recipe import Recipe
+from contracts.wire import AttemptSpec
 from workers.checkpoint import load_checkpoint
-from workers.engine import AttemptSpec, run_attempt, train_loop_per_worker
+from workers.engine import run_attempt, train_loop_per_worker
 
 pytestmark = [pytest.mark.ray]
 

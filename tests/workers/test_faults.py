@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from orchestrator.recipe import (
+from contracts.recipe import (
     BatchScaleFault,
     CorruptCheckpointFault,
     GradScaleFault,
@@ -68,7 +68,7 @@ def test_corrupt_checkpoint_damages_state_file_then_crashes(tmp_path: Path) -> N
 
 def test_kill_worker_sigkills_the_process() -> None:
     code = (
-        "from orchestrator.recipe import KillWorkerFault\n"
+        "from contracts.recipe import KillWorkerFault\n"
         "from workers.faults import FaultInjector\n"
         "inj = FaultInjector([KillWorkerFault(step=2)], attempt=1, rank=0)\n"
         "inj.before_step(0); inj.before_step(1); inj.before_step(2)\n"

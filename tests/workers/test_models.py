@@ -11,7 +11,7 @@ import pytest
 import torch
 from torch import Tensor, nn
 
-from orchestrator.recipe import (
+from contracts.recipe import (
     CustomModel,
     DeepMLPModel,
     LinearModel,

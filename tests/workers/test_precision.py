@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from orchestrator.recipe import Precision
+from contracts.recipe import Precision
 from workers.precision import LossScaler, autocast
 
 

@@ -3,7 +3,7 @@
 - every recipe validates and explains itself in a comment header;
 - baseline: 300 steps, zero anomalies on 3 seeds (the false-positive check);
 - each unstable-<failure> recipe diverges in attempt 1 and succeeds once the real recovery policy
-  (``orchestrator.recovery.decide``) has planned the retry;
+  (``orchestrator.policy.recovery.decide``) has planned the retry;
 - crash recipes: SIGKILL kills the worker (here: the CLI process), a corrupted checkpoint is refused on resume.
 """
 
@@ -20,10 +20,11 @@ from typer.testing import CliRunner
 
 import api.cli  # noqa: F401  (registers the commands on app)
 from api.cli.app import app
-from orchestrator.recipe import Recipe, load_recipe
-from orchestrator.recovery import AttemptRecord, CheckpointRecord, GiveUp, decide, effective_recipe
-from workers.engine import AttemptResult, AttemptSpec, run_attempt
-from workers.overrides import apply_overrides
+from contracts.overrides import apply_overrides
+from contracts.recipe import Recipe, load_recipe
+from contracts.wire import AttemptOutcome, AttemptSpec
+from orchestrator.policy.recovery import AttemptRecord, CheckpointRecord, GiveUp, decide, effective_recipe
+from workers.engine import run_attempt
 
 RECIPES = Path(__file__).resolve().parents[2] / "recipes"
 UNSTABLE = sorted(p.name for p in RECIPES.glob("unstable-*.yaml"))
@@ -55,12 +56,12 @@ def test_baseline_has_no_false_positives(seed: int, tmp_path: Path) -> None:
     assert res.losses[-1] < 0.5 * res.losses[0]  # it learns: from ln 64 ≈ 4.2 towards the floor ≈ ln 4
 
 
-def run_with_recovery(recipe: Recipe, root: Path, max_attempts: int = 4) -> list[AttemptResult]:
+def run_with_recovery(recipe: Recipe, root: Path, max_attempts: int = 4) -> list[AttemptOutcome]:
     """Attempts as the orchestrator would run them: attempt → decide() → next attempt, until one does not
     diverge (the policy and the engine meet through AttemptSpec and the checkpoint URIs only)."""
     history: list[AttemptRecord] = []
     checkpoints: list[CheckpointRecord] = []
-    results: list[AttemptResult] = []
+    results: list[AttemptOutcome] = []
     overrides: dict[str, Any] = {}
     kind, plan_resume, rewarm, offset = "initial", None, 0, 0
     parent: int | None = None

@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from orchestrator.recipe import Schedule
+from contracts.recipe import Schedule
 from workers.schedule import lr_at
 
 

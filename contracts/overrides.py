@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from orchestrator.recipe import CustomData, CustomModel, FieldError, Recipe, RecipeError, validate_recipe_data
+from contracts.recipe import FieldError, Recipe, RecipeError, admitted_modules, recipe_to_dict, validate_recipe_data
 
 
 def _new_value(path: str, change: Any) -> Any:
@@ -59,13 +59,9 @@ def apply_overrides(
     """
     if not overrides:
         return recipe
-    doc = recipe.model_dump(mode="json", by_alias=True)
+    doc = recipe_to_dict(recipe)
+    if allowed_import_modules is None:
+        allowed_import_modules = admitted_modules(doc)
     for path, change in overrides.items():
         _set_path(doc, path, _new_value(path, change))
-    if allowed_import_modules is None:
-        allowed_import_modules = [
-            part.factory.split(":", 1)[0]
-            for part in (recipe.model, recipe.data)
-            if isinstance(part, CustomModel | CustomData)
-        ]
     return validate_recipe_data(doc, allowed_import_modules=allowed_import_modules)

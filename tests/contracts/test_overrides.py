@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from orchestrator.recipe import Recipe, RecipeError
-from workers.overrides import apply_overrides
+from contracts.overrides import apply_overrides
+from contracts.recipe import Recipe, RecipeError
 
 
 def test_applies_new_values_and_keeps_the_rest() -> None:

@@ -63,8 +63,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from orchestrator.recipe import ClipMethod, DType, Recipe, TightenOrder
-from workers.overrides import apply_overrides
+from contracts.overrides import apply_overrides
+from contracts.recipe import ClipMethod, DType, Recipe, TightenOrder
 
 ATTEMPT_KINDS = frozenset({"initial", "numeric_retry", "crash_restart", "manual"})
 OUTCOMES = frozenset({"diverged", "crashed", "succeeded", "cancelled"})
@@ -181,7 +181,7 @@ def normalize_overrides(overrides: Mapping[str, Any] | None) -> dict[str, tuple[
 
 
 def effective_recipe(recipe: Recipe, overrides: Mapping[str, Any] | None) -> Recipe:
-    """The recipe an attempt runs with (``workers.overrides.apply_overrides``; re-validated)."""
+    """The recipe an attempt runs with (``contracts.overrides.apply_overrides``; re-validated)."""
     return apply_overrides(recipe, normalize_overrides(overrides))
 
 

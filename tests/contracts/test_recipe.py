@@ -27,9 +27,9 @@ from pydantic import BaseModel
 from pydantic.fields import FieldInfo
 from typer.testing import CliRunner
 
-import orchestrator.recipe as recipe_mod
+import contracts.recipe as recipe_mod
 from api.cli.app import app
-from orchestrator.recipe import (
+from contracts.recipe import (
     CustomModel,
     Optimizer,
     Recipe,
@@ -41,6 +41,7 @@ from orchestrator.recipe import (
     recipe_to_dict,
     validate_recipe_data,
 )
+from contracts.recipe.data import COMPATIBLE_DATA
 from orchestrator.settings import get_settings
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -468,10 +469,11 @@ def test_schema_command_prints_a_valid_json_schema() -> None:
 
 
 def _docstrings_in_source() -> dict[str, dict[str, str]]:
-    """Field docstrings as written in orchestrator/recipe.py: {class: {field: cleaned docstring}}."""
-    tree = ast.parse(Path(recipe_mod.__file__).read_text())
+    """Field docstrings as written in contracts/recipe/*.py: {class: {field: cleaned docstring}}."""
+    classes = [n for f in sorted(Path(recipe_mod.__file__).parent.glob("*.py"))
+               for n in ast.parse(f.read_text()).body if isinstance(n, ast.ClassDef)]
     out: dict[str, dict[str, str]] = {}
-    for cls in (n for n in tree.body if isinstance(n, ast.ClassDef)):
+    for cls in classes:
         docs: dict[str, str] = {}
         for stmt, nxt in zip(cls.body, cls.body[1:], strict=False):
             if (
@@ -488,7 +490,7 @@ def _docstrings_in_source() -> dict[str, dict[str, str]]:
 
 def _section_classes() -> Iterator[type[BaseModel]]:
     for obj in vars(recipe_mod).values():
-        if isinstance(obj, type) and issubclass(obj, recipe_mod._Section) and obj is not recipe_mod._Section:
+        if isinstance(obj, type) and issubclass(obj, recipe_mod.Section) and obj is not recipe_mod.Section:
             yield obj
 
 
@@ -605,7 +607,7 @@ def _model_data_pairs() -> st.SearchStrategy[dict[str, Any]]:
     pairs = []
     for m in model_classes:
         tag = m.model_fields["name"].default
-        ok = recipe_mod._COMPATIBLE_DATA.get(tag)
+        ok = COMPATIBLE_DATA.get(tag)
         compatible = [d for d in data_classes if ok is None or d.model_fields["name"].default in ok | {"custom"}]
         pairs.append(st.fixed_dictionaries({"model": section_strategy(m), "data": st.one_of(
             [section_strategy(d) for d in compatible])}))

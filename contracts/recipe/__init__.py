@@ -1,0 +1,93 @@
+"""The stability recipe: a versioned, self-documenting schema for one training run.
+
+Every section is a pydantic model with ``extra="forbid"``; the docstring under each field is its description
+(and shows up in the JSON Schema that editors use). One module per group of sections; ``loading`` turns text
+into a ``Recipe``; ``imports`` is the one allow-list rule for ``module:function`` strings.
+"""
+
+from contracts.recipe.base import API_VERSION, DEFAULT_MAX_RECIPE_BYTES, KIND, Section
+from contracts.recipe.data import (
+    CustomData,
+    DataSpec,
+    MarkovData,
+    RegressionData,
+    SequenceData,
+    SequenceTask,
+)
+from contracts.recipe.detectors import (
+    Action,
+    Detectors,
+    GradNormSpikeDetector,
+    LossSpikeDetector,
+    NonFiniteDetector,
+    OscillationDetector,
+    StagnationDetector,
+    VanishingDetector,
+)
+from contracts.recipe.document import CrossFieldErrors, Recipe
+from contracts.recipe.faults import (
+    BatchScaleFault,
+    CorruptCheckpointFault,
+    Fault,
+    GradScaleFault,
+    KillWorkerFault,
+    NanLossFault,
+)
+from contracts.recipe.imports import admitted_modules, check_import_string, module_allowed, named_modules
+from contracts.recipe.loading import (
+    FieldError,
+    RecipeError,
+    dump_recipe,
+    load_recipe,
+    parse_yaml,
+    recipe_json_schema,
+    recipe_to_dict,
+    validate_recipe_data,
+)
+from contracts.recipe.model import (
+    Activation,
+    CustomModel,
+    DeepMLPModel,
+    LinearModel,
+    ModelSpec,
+    NormPosition,
+    RecurrentCell,
+    RecurrentModel,
+    TinyGPTModel,
+)
+from contracts.recipe.operations import (
+    Checkpoint,
+    Compression,
+    Distributed,
+    Recovery,
+    Resources,
+    Telemetry,
+    TightenOrder,
+)
+from contracts.recipe.training import (
+    SCHEDULE_PRESETS,
+    ClipMethod,
+    Clipping,
+    Decay,
+    DType,
+    LossScaling,
+    Optimizer,
+    OptimizerName,
+    Precision,
+    Schedule,
+    SchedulePreset,
+    Training,
+)
+
+__all__ = [
+    "API_VERSION", "DEFAULT_MAX_RECIPE_BYTES", "KIND", "SCHEDULE_PRESETS", "Action", "Activation", "BatchScaleFault",
+    "Checkpoint", "ClipMethod", "Clipping", "Compression", "CorruptCheckpointFault", "CrossFieldErrors",
+    "CustomData", "CustomModel", "DType", "DataSpec", "Decay", "DeepMLPModel", "Detectors", "Distributed", "Fault",
+    "FieldError", "GradNormSpikeDetector", "GradScaleFault", "KillWorkerFault", "LinearModel", "LossScaling",
+    "LossSpikeDetector", "MarkovData", "ModelSpec", "NanLossFault", "NonFiniteDetector", "NormPosition", "Optimizer",
+    "OptimizerName", "OscillationDetector", "Precision", "Recipe", "RecipeError", "Recovery", "RecurrentCell",
+    "RecurrentModel", "RegressionData", "Resources", "Schedule", "SchedulePreset", "Section", "SequenceData",
+    "SequenceTask", "StagnationDetector", "Telemetry", "TightenOrder", "TinyGPTModel", "Training",
+    "VanishingDetector", "admitted_modules", "check_import_string", "dump_recipe", "load_recipe", "module_allowed",
+    "named_modules", "parse_yaml", "recipe_json_schema", "recipe_to_dict", "validate_recipe_data",
+]

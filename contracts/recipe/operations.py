@@ -1,0 +1,92 @@
+"""How a run is operated: telemetry, checkpoints, recovery policy, resources, data-parallel options."""
+
+from __future__ import annotations
+
+from enum import StrEnum
+
+from pydantic import Field
+
+from contracts.recipe.base import Section
+
+
+class Telemetry(Section):
+    layer_stats_every: int = Field(default=10, ge=0)
+    """Per-layer gradient norms and update-to-weight ratio every N steps (0 = never)."""
+
+
+class Checkpoint(Section):
+    every_steps: int = Field(default=50, ge=1)
+    """Save a checkpoint every N steps (and at the end)."""
+    keep: int = Field(default=3, ge=1, le=1000)
+    """Checkpoints retained (newest first) ..."""
+    keep_healthy: bool = True
+    """... plus, always, the newest healthy one."""
+
+
+class TightenOrder(StrEnum):
+    auto = "auto"
+    lr_first = "lr_first"
+    clip_first = "clip_first"
+    both = "both"
+
+
+class Recovery(Section):
+    max_retries: int = Field(default=3, ge=0, le=100)
+    """Retries after numeric divergence before the run fails."""
+    max_crash_restarts: int = Field(default=3, ge=0, le=100)
+    """Restarts after crashes (worker died, OOM, exception), counted separately."""
+    rollback_margin_steps: int = Field(default=0, ge=0)
+    """Resume from a healthy checkpoint at least this many steps before the onset."""
+    lr_factor: float = Field(default=0.5, gt=0.0, lt=1.0)
+    """Multiply the learning rate by this on each numeric retry."""
+    clip_factor: float = Field(default=0.5, gt=0.0, lt=1.0)
+    """Multiply the clip threshold by this on each numeric retry."""
+    clip_to_median_multiple: float | None = Field(default=None, gt=0.0)
+    """Instead of clip_factor, set the clip threshold to this multiple of the median healthy grad norm."""
+    tighten_order: TightenOrder = TightenOrder.auto
+    """auto: LR first for Adam-family optimizers, clipping first for SGD; or lr_first, clip_first, both."""
+    rewarm_steps: int = Field(default=20, ge=0)
+    """Re-warm the LR linearly over this many steps after a rollback."""
+    skip_data_window: bool = False
+    """Skip the data between the resumed checkpoint and the onset step."""
+    min_lr: float = Field(default=1e-6, gt=0.0)
+    """Floor for the tightened learning rate."""
+    min_clip: float = Field(default=0.01, gt=0.0)
+    """Floor for the tightened clip threshold."""
+    fp16_to_bf16: bool = True
+    """Switch fp16 to bf16 when the loss scale collapsed."""
+    early_failure_steps: int = Field(default=20, ge=0)
+    """A retry that fails within this many steps of its start resumes further back next time."""
+    in_place: bool = True
+    """Apply numeric rollbacks inside the running worker group instead of restarting it."""
+
+
+class Resources(Section):
+    num_workers: int = Field(default=1, ge=1, le=4096)
+    """Ray Train workers (data-parallel ranks)."""
+    use_gpu: bool = False
+    """Place workers on GPUs (NCCL); CPU workers use gloo."""
+    cpus_per_worker: float = Field(default=1.0, gt=0.0, le=512)
+    """CPUs reserved per worker."""
+    gpus_per_worker: float = Field(default=0.0, ge=0.0, le=16)
+    """GPUs reserved per worker (when use_gpu)."""
+
+
+class Compression(StrEnum):
+    none = "none"
+    fp16 = "fp16"
+    bf16 = "bf16"
+    powersgd = "powersgd"
+
+
+class Distributed(Section):
+    compression: Compression = Compression.none
+    """DDP gradient compression comm hook (bf16 needs NCCL)."""
+    powersgd_rank: int = Field(default=2, ge=1, le=1024)
+    """PowerSGD matrix approximation rank."""
+    powersgd_start_iter: int = Field(default=10, ge=1)
+    """PowerSGD: steps of vanilla allreduce before compression starts."""
+    activation_checkpointing: bool = False
+    """Recompute tiny_gpt block activations in the backward pass."""
+    freeze_first_n_blocks: int = Field(default=0, ge=0)
+    """Freeze the first N blocks (tiny_gpt blocks, deep_mlp layers)."""

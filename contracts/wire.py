@@ -1,0 +1,210 @@
+"""The wire between workers and control plane: the attempt spec, event envelopes and the attempt outcome.
+
+Every event is a plain dict envelope ``{"seq": int, "type": str, "data": {...}}`` with ``seq`` increasing by one
+per attempt, so the store can ingest idempotently (a redelivered event never duplicates a row). Only rank 0
+emits; detector decisions are identical on all ranks because their inputs are all-reduced first. On the Ray
+channel the envelope also carries ``attempt`` and ``ts``.
+
+Event types and their ``data``:
+
+- ``metric``: step, loss, grad_norm (before clipping), grad_norm_clipped, lr, loss_scale, throughput
+  (samples/s), skipped (bool)
+- ``layer_stats``: step, layer_grad_norms {name: float}, update_ratio (float), diagnosis (str | None)
+- ``anomaly``: step, rank, kind, detector, value, threshold, action, details {...}
+- ``checkpoint``: step, uri, sha256, healthy (bool), verdict {...}, metrics {...}
+- ``end``: :class:`EndEvent`
+
+Torch-free and Ray-free: the orchestrator builds ``AttemptSpec``s and reads ``EndEvent``s without importing the
+engine.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from contracts.recipe import Recipe, recipe_to_dict, validate_recipe_data
+
+EVENT_TYPES = frozenset({"metric", "layer_stats", "anomaly", "checkpoint", "end"})
+OUTCOMES = ("succeeded", "diverged", "cancelled")
+"""What an attempt can end as on the worker side (a crash never reaches an ``end`` event)."""
+
+
+def finite_or_none(x: float | None) -> float | None:
+    """A finite float, or None (JSON has no NaN/inf, and a non-finite statistic means "unknown")."""
+    return float(x) if x is not None and math.isfinite(x) else None
+
+
+@dataclass(frozen=True, kw_only=True)
+class EndEvent:
+    """The ``end`` event: how an attempt ended, as the control plane receives it."""
+
+    outcome: str
+    """succeeded | diverged | cancelled"""
+    final_step: int
+    """Completed (applied or skipped) steps when the attempt ended."""
+    onset_step: int | None = None
+    """diverged: the 0-based index of the first anomalous step."""
+    detector: str | None = None
+    """Kind of the anomaly that ended a diverged attempt."""
+    value: float | None = None
+    reason: str = ""
+    median_grad_norm: float | None = None
+    """Median pre-clip grad norm over healthy applied steps (input for clip_to_median_multiple)."""
+    loss_scale_collapsed: bool = False
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> EndEvent:
+        """Parse a received payload; unknown keys are ignored (newer workers may send more)."""
+
+        def opt_int(key: str) -> int | None:
+            v = data.get(key)
+            return None if v is None else int(v)
+
+        def opt_float(key: str) -> float | None:
+            v = data.get(key)
+            return None if v is None else finite_or_none(float(v))
+
+        detector = data.get("detector")
+        return cls(
+            outcome=str(data.get("outcome", "")),
+            final_step=int(data.get("final_step") or 0),
+            onset_step=opt_int("onset_step"),
+            detector=None if detector is None else str(detector),
+            value=opt_float("value"),
+            reason=str(data.get("reason") or ""),
+            median_grad_norm=opt_float("median_grad_norm"),
+            loss_scale_collapsed=bool(data.get("loss_scale_collapsed", False)),
+        )
+
+
+@dataclass(kw_only=True)
+class AttemptSpec:
+    """Everything one attempt needs; JSON-able through ``to_dict`` / ``from_dict`` (it travels to Ray workers).
+
+    ``data_offset`` shifts the whole data stream of the attempt: micro-batch index =
+    ``(step + data_offset) * grad_accum_steps + micro`` (the recovery policy sets it to skip a bad data window).
+    ``rewarm_steps`` re-warms the LR linearly from the resumed step.
+    """
+
+    recipe: Recipe
+    """The effective recipe (the run's recipe with this attempt's overrides applied)."""
+    checkpoint_dir: str
+    """Where a plain-process attempt writes ``step_XXXXXXXX`` checkpoints (Ray Train mode: a scratch area)."""
+    attempt: int = 1
+    resume_from: str | None = None
+    """Checkpoint directory (or URI) to resume from; None starts from initialisation."""
+    rewarm_steps: int = 0
+    data_offset: int = 0
+    run_id: int | None = None
+    allowed_import_modules: list[str] = field(default_factory=list)
+    """The operator's allow-list for custom ``module:function`` models and data (re-checked on the worker)."""
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "recipe": recipe_to_dict(self.recipe),
+            "checkpoint_dir": self.checkpoint_dir,
+            "attempt": self.attempt,
+            "resume_from": self.resume_from,
+            "rewarm_steps": self.rewarm_steps,
+            "data_offset": self.data_offset,
+            "run_id": self.run_id,
+            "allowed_import_modules": list(self.allowed_import_modules),
+        }
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> AttemptSpec:
+        allowed = list(data.get("allowed_import_modules") or [])
+        recipe = data["recipe"]
+        if not isinstance(recipe, Recipe):
+            recipe = validate_recipe_data(recipe, allowed_import_modules=allowed)
+        return cls(
+            recipe=recipe,
+            checkpoint_dir=str(data["checkpoint_dir"]),
+            attempt=int(data.get("attempt", 1)),
+            resume_from=data.get("resume_from"),
+            rewarm_steps=int(data.get("rewarm_steps", 0)),
+            data_offset=int(data.get("data_offset", 0)),
+            run_id=data.get("run_id"),
+            allowed_import_modules=allowed,
+        )
+
+    def __post_init__(self) -> None:
+        if self.attempt < 1:
+            raise ValueError(f"attempt must be >= 1, got {self.attempt}")
+        if self.rewarm_steps < 0 or self.data_offset < 0:
+            raise ValueError("rewarm_steps and data_offset must be >= 0")
+
+
+@dataclass(frozen=True)
+class SavedCheckpoint:
+    step: int
+    """Completed steps when it was written (the next step to run on resume)."""
+    path: str
+    """Local path (plain process) or URI (Ray Train: ``checkpoint_uri_prefix/step_XXXXXXXX``)."""
+    healthy: bool
+    sha256: str
+
+
+@dataclass
+class AttemptOutcome:
+    """How one attempt ended, as the engine saw it: the single shape of an outcome on the worker side.
+
+    ``end()`` is the ``end`` event's payload, the part that crosses to the control plane.
+    """
+
+    outcome: str
+    """succeeded | diverged | cancelled"""
+    attempt: int
+    start_step: int
+    final_step: int
+    """Completed (applied or skipped) steps when the attempt ended; a rollback step is not completed."""
+    onset_step: int | None = None
+    detector: str | None = None
+    """Kind of the anomaly that ended a diverged attempt (e.g. ``nonfinite``, ``divergence``)."""
+    value: float | None = None
+    reason: str = ""
+    findings: list[dict[str, Any]] = field(default_factory=list)
+    """Every anomaly, as its event payload."""
+    losses: list[float] = field(default_factory=list)
+    """Loss (mean over ranks) of every step observed, from ``start_step`` on (including a rollback step)."""
+    grad_norms: list[float] = field(default_factory=list)
+    """Pre-clip global grad norm (max over ranks) of every step observed."""
+    skipped_steps: list[int] = field(default_factory=list)
+    checkpoints: list[SavedCheckpoint] = field(default_factory=list)
+    median_grad_norm: float | None = None
+    """Median pre-clip grad norm over healthy applied steps (input for clip_to_median_multiple)."""
+    loss_scale_collapsed: bool = False
+    loss_scales: list[float | None] = field(default_factory=list)
+    previous: list[AttemptOutcome] = field(default_factory=list)
+    """Earlier attempts run in place in the same worker group (in-place recovery), oldest first."""
+
+    def end(self) -> EndEvent:
+        """The ``end`` event that reports this outcome to the control plane."""
+        return EndEvent(
+            outcome=self.outcome,
+            final_step=self.final_step,
+            onset_step=self.onset_step,
+            detector=self.detector,
+            value=finite_or_none(self.value),
+            reason=self.reason,
+            median_grad_norm=self.median_grad_norm,
+            loss_scale_collapsed=self.loss_scale_collapsed,
+        )
+
+    def end_event(self) -> dict[str, Any]:
+        """The ``end`` event payload as it travels (``end().to_dict()``)."""
+        return self.end().to_dict()
+
+    def to_dict(self) -> dict[str, Any]:
+        out = asdict(self)
+        out["losses"] = [finite_or_none(x) for x in self.losses]
+        out["grad_norms"] = [finite_or_none(x) for x in self.grad_norms]
+        out["value"] = finite_or_none(self.value)
+        out["previous"] = [p.to_dict() for p in self.previous]
+        return out
