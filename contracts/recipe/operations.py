@@ -30,7 +30,15 @@ class TightenOrder(StrEnum):
     both = "both"
 
 
+class RecoveryStrategy(StrEnum):
+    ballast = "ballast"
+    restart_latest = "restart_latest"
+
+
 class Recovery(Section):
+    strategy: RecoveryStrategy = RecoveryStrategy.ballast
+    """ballast: roll back to a healthy checkpoint and tighten; restart_latest: resume the newest checkpoint with
+    the same settings (what Ray Train's FailureConfig and torchrun do; a baseline for benchmarks)."""
     max_retries: int = Field(default=3, ge=0, le=100)
     """Retries after numeric divergence before the run fails."""
     max_crash_restarts: int = Field(default=3, ge=0, le=100)

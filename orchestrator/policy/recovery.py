@@ -64,7 +64,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from contracts.overrides import apply_overrides
-from contracts.recipe import ClipMethod, DType, Recipe, TightenOrder
+from contracts.recipe import ClipMethod, DType, Recipe, RecoveryStrategy, TightenOrder
 
 ATTEMPT_KINDS = frozenset({"initial", "numeric_retry", "crash_restart", "manual"})
 OUTCOMES = frozenset({"diverged", "crashed", "succeeded", "cancelled"})
@@ -288,7 +288,20 @@ def decide(
         used = sum(1 for a in since_manual if a.kind == "crash_restart")
         return _crash_restart(eff, last, lineage, used)
     used = sum(1 for a in since_manual if a.kind == "numeric_retry")
+    if eff.recovery.strategy is RecoveryStrategy.restart_latest:
+        return _restart_latest(eff, last, lineage, used)
     return _numeric_retry(recipe, eff, history, last, lineage, used)
+
+
+def _restart_latest(
+    eff: Recipe, last: AttemptRecord, lineage: list[CheckpointRecord], used: int
+) -> RecoveryPlan | GiveUp:
+    """The baseline other systems apply to every failure: the newest valid checkpoint, the same settings."""
+    budget = eff.recovery.max_retries
+    if used >= budget:
+        return GiveUp(f"{_ended(last, last.onset_step)}; numeric retry budget exhausted ({used}/{budget})")
+    return _resume_newest(last, lineage, kind="numeric_retry", ended=_ended(last, last.onset_step),
+                          note=" (strategy restart_latest)")
 
 
 def _crash_restart(
@@ -297,19 +310,26 @@ def _crash_restart(
     budget = eff.recovery.max_crash_restarts
     if used >= budget:
         return GiveUp(f"{_ended(last)}; crash restart budget exhausted ({used}/{budget})")
+    return _resume_newest(last, lineage, kind="crash_restart", ended=_ended(last), note="")
+
+
+def _resume_newest(
+    last: AttemptRecord, lineage: list[CheckpointRecord], *, kind: str, ended: str, note: str
+) -> RecoveryPlan:
+    """Resume from the newest valid lineage checkpoint (healthy or not) with the settings unchanged."""
     valid = [c for c in lineage if c.valid]
     resume = valid[-1] if valid else None
     floor = resume.step if resume is not None else -1
     skipped = [c.step for c in lineage if not c.valid and c.step > floor]
     where = f"resumed from step {resume.step}" if resume is not None else "restarted from initialisation"
-    reason = f"{_ended(last)}; {where} with unchanged settings"
+    reason = f"{ended}; {where} with unchanged settings{note}"
     if skipped:
         reason += f" (skipped invalid checkpoint{'s' if len(skipped) > 1 else ''} at step "
         reason += ", ".join(str(s) for s in sorted(skipped, reverse=True)) + ")"
     elif resume is None:
         reason += " (no valid checkpoint)"
     return RecoveryPlan(
-        kind="crash_restart",
+        kind=kind,
         resume_from=resume,
         resume_step=resume.step if resume is not None else 0,
         overrides=normalize_overrides(last.overrides),

@@ -495,3 +495,19 @@ def test_retries_never_loosen_and_never_resume_past_the_margin(
     if out.resume_from is not None:
         assert out.resume_from.healthy and out.resume_from.valid
         assert out.resume_step <= last_onset - margin
+
+
+def test_restart_latest_strategy_resumes_the_newest_checkpoint_with_unchanged_settings() -> None:
+    """The benchmark baseline: what Ray's FailureConfig does — newest valid checkpoint, healthy or not, same
+    settings, no re-warm; it spends the numeric retry budget."""
+    recipe = validate_recipe_data({"name": "r", "recovery": {"strategy": "restart_latest", "max_retries": 1}})
+    ckpts = [CheckpointRecord(id=1, attempt_number=1, step=50, uri="u50", healthy=True),
+             CheckpointRecord(id=2, attempt_number=1, step=100, uri="u100", healthy=False)]
+    last = AttemptRecord(number=1, kind="initial", outcome="diverged", start_step=0, onset_step=90, final_step=101)
+    plan = decide(recipe, [last], ckpts)
+    assert isinstance(plan, RecoveryPlan)
+    assert plan.kind == "numeric_retry" and plan.resume_from is not None and plan.resume_from.id == 2
+    assert plan.overrides == {} and plan.rewarm_steps == 0 and "restart_latest" in plan.reason
+    second = AttemptRecord(number=2, kind="numeric_retry", outcome="diverged", start_step=100, onset_step=120,
+                           final_step=121, resumed_from_id=2)
+    assert isinstance(decide(recipe, [last, second], ckpts), GiveUp)
