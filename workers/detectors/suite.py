@@ -1,0 +1,122 @@
+"""All detectors of a recipe, observed once per step in a fixed order, with one combined decision."""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from typing import Any
+
+from contracts.recipe import (
+    Action,
+    Detectors,
+)
+from workers.detectors.base import STATE_VERSION, Decision, Detector, Finding, StepSignals, stronger
+from workers.detectors.grad_norm import GradNormSpike
+from workers.detectors.loss import LossSpike
+from workers.detectors.nonfinite import NonFinite
+from workers.detectors.oscillation import Oscillation
+from workers.detectors.stagnation import Stagnation
+from workers.detectors.vanishing import Vanishing
+
+
+class DetectorSuite:
+    """All detectors of a recipe, observed once per step, in a fixed order, with one combined decision."""
+
+    def __init__(self, cfg: Detectors, *, fp16: bool = False) -> None:
+        self.cfg = cfg
+        self.fp16 = fp16
+        self.nonfinite = NonFinite(cfg.nonfinite, fp16)
+        self.grad_norm_spike = GradNormSpike(cfg.grad_norm_spike)
+        self.loss_spike = LossSpike(cfg.loss_spike)
+        self.vanishing = Vanishing(cfg.vanishing)
+        self.stagnation = Stagnation(cfg.stagnation)
+        self.oscillation = Oscillation(cfg.oscillation)
+        # nonfinite is always present: its skip is the guard that keeps non-finite grads out of the weights
+        self._detectors: list[Detector] = [self.nonfinite] + [
+            d
+            for d in (self.grad_norm_spike, self.loss_spike, self.vanishing, self.stagnation, self.oscillation)
+            if d.enabled
+        ]
+        self.skipped_steps: deque[int] = deque()
+        self.last_finding_step: int | None = None
+
+    def observe(self, s: StepSignals) -> Decision:
+        findings: list[Finding] = []
+
+        def emit(det: Detector, kind: str, value: float | None, threshold: float | None, action: Action,
+                 onset: int | None, details: dict[str, Any]) -> None:
+            findings.append(Finding(
+                step=s.step, kind=kind, detector=det.name, value=value, threshold=threshold, action=Action(action),
+                details={**details, "onset_step": s.step if onset is None else onset, "config": det.config},
+                rank=s.rank,
+            ))
+
+        for det in self._detectors:
+            det.evaluate(s, emit)
+        action = Action.record
+        for f in findings:
+            action = stronger(action, f.action)
+
+        if action is Action.skip_step:
+            cfg = self.cfg
+            self.skipped_steps.append(s.step)
+            while self.skipped_steps and self.skipped_steps[0] <= s.step - cfg.skip_window:
+                self.skipped_steps.popleft()
+            if len(self.skipped_steps) > cfg.max_skipped_steps:
+                findings.append(Finding(
+                    step=s.step, kind="skip_escalation", detector="skip_escalation",
+                    value=float(len(self.skipped_steps)), threshold=float(cfg.max_skipped_steps),
+                    action=Action.rollback, rank=s.rank,
+                    details={"onset_step": self.skipped_steps[0], "skipped_steps": list(self.skipped_steps),
+                             "config": {"max_skipped_steps": cfg.max_skipped_steps, "skip_window": cfg.skip_window}},
+                ))
+                action = Action.rollback
+
+        absorb = action is Action.record
+        for det in self._detectors:
+            det.commit(absorb)
+        if findings:
+            self.last_finding_step = s.step
+        # the onset that matters is that of the findings that decided the action (a rollback's, not a record's)
+        onset = min((int(f.details["onset_step"]) for f in findings if f.action is action), default=None)
+        return Decision(findings=findings, action=action, onset_step=onset)
+
+    # ---------------------------------------------------------------------------- for checkpoints and the end
+    def loss_in_bounds(self, loss: float) -> bool:
+        """Whether ``loss`` is finite and within the loss detector's current bounds (z-score and ratio), for a
+        checkpoint's health verdict; True while the detector is warming up or disabled (if finite)."""
+        if not self.cfg.loss_spike.enabled:
+            return math.isfinite(loss)
+        return self.loss_spike.in_bounds(loss)
+
+    @property
+    def typical_grad_norm(self) -> float | None:
+        """exp(EMA of log grad norm) over healthy steps: a streaming stand-in for the median healthy norm."""
+        return self.grad_norm_spike.level
+
+    # ------------------------------------------------------------------------------------------------ state
+    def state_dict(self) -> dict[str, Any]:
+        """JSON-able state (plain dicts, lists, ints, finite floats, None)."""
+        return {
+            "version": STATE_VERSION,
+            "detectors": {d.name: d.state() for d in self._all()},
+            "skipped_steps": list(self.skipped_steps),
+            "last_finding_step": self.last_finding_step,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        try:
+            if state.get("version") != STATE_VERSION:
+                raise ValueError(f"version {state.get('version')!r}, expected {STATE_VERSION}")
+            per = state["detectors"]
+            for d in self._all():
+                d.load(per[d.name])
+            self.skipped_steps = deque(int(x) for x in state["skipped_steps"])
+            lf = state["last_finding_step"]
+            self.last_finding_step = None if lf is None else int(lf)
+        except (KeyError, TypeError, ValueError, AttributeError) as exc:
+            raise ValueError(f"invalid detector state: {exc!r}") from None
+
+    def _all(self) -> list[Detector]:
+        return [self.nonfinite, self.grad_norm_spike, self.loss_spike, self.vanishing, self.stagnation,
+                self.oscillation]
