@@ -65,6 +65,7 @@ from contracts.recipe.operations import (
     Telemetry,
     TightenOrder,
 )
+from contracts.recipe.success import Success
 from contracts.recipe.training import (
     SCHEDULE_PRESETS,
     ClipMethod,
@@ -89,7 +90,7 @@ __all__ = [
     "OptimizerName", "OscillationDetector", "Precision", "Recipe", "RecipeError", "Recovery", "RecoveryStrategy",
     "RecurrentCell",
     "RecurrentModel", "RegressionData", "Resources", "Schedule", "SchedulePreset", "Section", "SequenceData",
-    "SequenceTask", "StagnationDetector", "Telemetry", "TightenOrder", "TinyGPTModel", "Training",
+    "SequenceTask", "StagnationDetector", "Success", "Telemetry", "TightenOrder", "TinyGPTModel", "Training",
     "VanishingDetector", "admitted_modules", "check_import_string", "dump_recipe", "load_recipe", "module_allowed",
     "named_modules", "parse_yaml", "recipe_json_schema", "recipe_to_dict", "validate_recipe_data",
 ]

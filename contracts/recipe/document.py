@@ -12,6 +12,7 @@ from contracts.recipe.detectors import Action, Detectors
 from contracts.recipe.faults import Fault
 from contracts.recipe.model import ModelSpec, TinyGPTModel
 from contracts.recipe.operations import Checkpoint, Compression, Distributed, Recovery, Resources, Telemetry
+from contracts.recipe.success import Success
 from contracts.recipe.training import ClipMethod, Clipping, DType, LossScaling, Optimizer, Precision, Schedule, Training
 
 
@@ -56,6 +57,8 @@ class Recipe(Section):
     """Checkpoint cadence and retention."""
     recovery: Recovery = Field(default_factory=Recovery)
     """What the orchestrator does after a divergence or crash."""
+    success: Success = Field(default_factory=Success)
+    """What an attempt must show at its end to count as succeeded (the model, not the step counter)."""
     resources: Resources = Field(default_factory=Resources)
     """Workers and their resources."""
     distributed: Distributed = Field(default_factory=Distributed)

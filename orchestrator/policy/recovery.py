@@ -17,16 +17,28 @@ step 800 of an attempt that diverged at 812 and was rolled back to 600) is never
 the newer attempt. A checkpoint at step ``s`` holds the state after ``s`` completed steps, so it is untouched
 by an anomaly at step ``onset`` iff ``s <= onset``.
 
-diverged → ``numeric_retry``:
-- Resume from the newest **valid, healthy** lineage checkpoint with ``step <= onset - rollback_margin_steps``
-  (onset: ``onset_step``, else ``final_step``, else ``start_step``). When the ended attempt had itself resumed
+diverged → ``numeric_retry`` (``recovery.strategy: restart_latest`` instead resumes the newest valid checkpoint
+with the same settings, the baseline other systems apply):
+- Vanishing gradients (kind ``vanishing`` from the outcome verdict, or ``vanishing_gradients`` with a rollback
+  action) → ``GiveUp`` with the diagnosis: no tightening of LR or clip can fix them.
+- Resume from the **best valid, healthy** lineage checkpoint with ``step <= onset - rollback_margin_steps``: the
+  lowest smoothed loss at save time (ties and unknown losses: the newest), so a rollback never lands on a
+  checkpoint that had already degraded. (onset: ``onset_step``, else ``final_step``, else ``start_step``). When the
+  ended attempt had itself resumed
   (``start_step > 0``, any kind) and diverged within ``early_failure_steps`` of that start, its start point is
   presumed already on the way to divergence: the checkpoint must be strictly older than ``start_step``. No
   qualifying checkpoint → restart from initialisation (``resume_from=None``, ``resume_step=0``).
-- Tighten from the effective settings (recipe + the ended attempt's overrides). Order: ``tighten_order``;
-  ``auto`` is ``lr_first`` for Adam/AdamW and ``clip_first`` for SGD. The *primary* knob is tightened on every
+- Tighten from the effective settings (recipe + the ended attempt's overrides), the knob the evidence names
+  (``tighten_order_for``): ``auto`` lowers the LR first after a loss divergence or a non-finite value whatever the
+  optimizer, tightens the clip first after a gradient spike with a healthy loss, and falls back to the optimizer
+  family (LR for Adam/AdamW, clip for SGD) for other kinds; an explicit ``tighten_order`` is obeyed. The
+  *primary* knob is tightened on every
   retry; the *secondary* one from the 2nd numeric retry on, or already on the 1st when the primary is at its
-  floor. ``both`` tightens both every retry.
+  floor. ``both`` tightens both every retry. After a run that never learned, or a divergence in its first 10% of
+  steps, the LR moves by ``lr_factor²`` (halving is a guess that rarely suffices there).
+- Warmup (``warmup_change``): a divergence in the first 10% of steps of a run without warmup adds one (10% of
+  max_steps, at least 10 steps); one during or right after the warmup doubles it; either way the peak LR is
+  lowered too.
   - LR: ``lr × lr_factor``, floored at ``min_lr``; never raised (an LR already at/below the floor is at floor).
   - Clip, by ``clipping.method``:
     ``global_norm`` / ``zscore`` (its ``max_norm`` ceiling): ``clip_to_median_multiple × median_grad_norm``
@@ -76,6 +88,19 @@ _METHOD = "clipping.method"
 _MAX_NORM = "clipping.max_norm"
 _AGC = "clipping.agc_lambda"
 _DTYPE = "precision.dtype"
+_WARMUP = "schedule.warmup_steps"
+_WARMUP_FRACTION = "schedule.warmup_fraction"
+
+LOSS_KINDS = frozenset({"divergence", "loss_spike", "degraded", "never_learned", "oscillation", "above_bar",
+                        "nonfinite", "loss_scale_collapse"})
+"""Ends whose evidence is the loss (or a non-finite value): the step size is too large, so the LR goes first."""
+GRADIENT_KINDS = frozenset({"grad_norm_spike", "skip_escalation"})
+"""Ends whose evidence is the gradient alone: a transient spike, so the clip threshold goes first."""
+HOPELESS_KINDS = frozenset({"vanishing", "vanishing_gradients"})
+"""Ends that no tightening of LR or clip can fix: the run fails with the diagnosis."""
+NO_PROGRESS_KINDS = frozenset({"never_learned"})
+EARLY_FRACTION = 0.1
+"""A divergence within this fraction of max_steps (and 10 steps) is early: without a warmup, one is added."""
 
 
 # ------------------------------------------------------------------------------------------------ records
@@ -131,6 +156,8 @@ class CheckpointRecord:
     healthy: bool
     valid: bool = True
     """False: corrupt or deleted."""
+    loss: float | None = None
+    """The smoothed training loss when it was saved (the rollback goes to the best, not the newest)."""
 
 
 @dataclass(frozen=True)
@@ -352,11 +379,11 @@ class _Knob:
     """What changed (for the reason) or, when ``changes`` is empty, why it could not."""
 
 
-def _tighten_lr(eff: Recipe) -> _Knob:
+def _tighten_lr(eff: Recipe, *, strong: bool = False) -> _Knob:
     rec, lr = eff.recovery, eff.optimizer.lr
     if lr <= rec.min_lr:
         return _Knob((), f"lr at floor {_num(rec.min_lr)}")
-    new = max(lr * rec.lr_factor, rec.min_lr)
+    new = max(lr * (rec.lr_factor ** 2 if strong else rec.lr_factor), rec.min_lr)
     return _Knob((_Change(_LR, new),), f"lr {_num(lr)}→{_num(new)}")
 
 
@@ -389,6 +416,52 @@ def _tighten_clip(eff: Recipe, median: float | None) -> _Knob:
     return _Knob((_Change(_MAX_NORM, new),), f"clip {_num(cur)}→{_num(new)}{why if new == target else ''}")
 
 
+def tighten_order_for(eff: Recipe, kind: str | None) -> TightenOrder:
+    """Which knob goes first. An explicit ``tighten_order`` is obeyed; ``auto`` reads the evidence: a loss
+    divergence (or a non-finite value) lowers the LR whatever the optimizer, a gradient spike with a healthy loss
+    tightens the clip; anything else falls back to the optimizer family (LR for Adam, clip for SGD)."""
+    order = eff.recovery.tighten_order
+    if order is not TightenOrder.auto:
+        return order
+    if kind in LOSS_KINDS:
+        return TightenOrder.lr_first
+    if kind in GRADIENT_KINDS:
+        return TightenOrder.clip_first
+    return TightenOrder.lr_first if eff.optimizer.is_adam_family else TightenOrder.clip_first
+
+
+def warmup_change(eff: Recipe, onset: int) -> _Knob:
+    """A divergence early in a run without warmup adds one; one during or right after the warmup lengthens it
+    (the peak LR is lowered by the LR knob). Otherwise the schedule is left alone."""
+    max_steps = eff.training.max_steps
+    warmup = eff.schedule.resolved_warmup_steps(max_steps)
+    early = max(10, int(EARLY_FRACTION * max_steps))
+    if warmup == 0 and onset <= early:
+        new = min(max(10, int(EARLY_FRACTION * max_steps)), max_steps // 2)
+        text = f"added a {new}-step warmup (diverged at step {onset} with none)"
+    elif 0 < warmup and onset <= warmup + max(10, warmup // 2):
+        new = min(2 * warmup, max_steps // 2)
+        text = f"warmup {warmup}→{new} steps (diverged at step {onset}, during or right after the warmup)"
+    else:
+        return _Knob((), "")
+    if new <= warmup:
+        return _Knob((), "")
+    changes = [_Change(_WARMUP, new)]
+    if eff.schedule.warmup_fraction is not None:
+        changes.append(_Change(_WARMUP_FRACTION, None))
+    return _Knob(tuple(changes), text)
+
+
+def best_checkpoint(candidates: Sequence[CheckpointRecord]) -> CheckpointRecord | None:
+    """The checkpoint to roll back to: the lowest smoothed loss (ties and unknown losses: the newest)."""
+    if not candidates:
+        return None
+    known = [c for c in candidates if c.loss is not None and math.isfinite(c.loss)]
+    if not known:
+        return max(candidates, key=_order)
+    return min(known, key=lambda c: (c.loss, tuple(-x for x in _order(c))))
+
+
 def _numeric_retry(
     recipe: Recipe,
     eff: Recipe,
@@ -402,22 +475,30 @@ def _numeric_retry(
     if used >= rec.max_retries:
         return GiveUp(f"{_ended(last, onset)}; numeric retry budget exhausted ({used}/{rec.max_retries})")
 
-    # what to tighten
-    order = rec.tighten_order
-    if order is TightenOrder.auto:
-        order = TightenOrder.lr_first if eff.optimizer.is_adam_family else TightenOrder.clip_first
+    if last.detector in HOPELESS_KINDS:
+        return GiveUp(f"{_ended(last, onset)}; vanishing gradients cannot be fixed by tightening the LR or the "
+                      "clip threshold (change the activation, initialisation, normalisation or residuals)")
+
+    # what to tighten: the knob the evidence points at
+    order = tighten_order_for(eff, last.detector)
     median = next(
         (a.median_grad_norm for a in reversed(history)
          if a.median_grad_norm is not None and math.isfinite(a.median_grad_norm) and a.median_grad_norm > 0),
         None,
     )
-    lr_knob, clip_knob = _tighten_lr(eff), _tighten_clip(eff, median)
+    # no progress at all: halving is a guess that rarely suffices, so the LR moves by the factor squared
+    strong = last.detector in NO_PROGRESS_KINDS or onset <= max(10, int(EARLY_FRACTION * eff.training.max_steps))
+    lr_knob, clip_knob = _tighten_lr(eff, strong=strong), _tighten_clip(eff, median)
     if order is TightenOrder.both:
         chosen = [lr_knob, clip_knob]
     else:
         primary, secondary = (lr_knob, clip_knob) if order is TightenOrder.lr_first else (clip_knob, lr_knob)
         retry_no = used + 1
         chosen = [primary, secondary] if retry_no >= 2 or not primary.changes else [primary]
+    warm = warmup_change(eff, onset)
+    if warm.changes and lr_knob not in chosen:
+        chosen.append(lr_knob)  # a too-high peak: lower it as well as lengthening the ramp
+    chosen.append(warm)
     moved = [k for k in chosen if k.changes]
     switch_dtype = last.loss_scale_collapsed and rec.fp16_to_bf16 and eff.precision.dtype is DType.fp16
     if not moved and not switch_dtype:
@@ -436,9 +517,11 @@ def _numeric_retry(
         c for c in lineage
         if c.valid and c.healthy and c.step <= limit and (not early or c.step < last.start_step)
     ]
-    resume = candidates[-1] if candidates else None
+    resume = best_checkpoint(candidates)
     resume_step = resume.step if resume is not None else 0
     where = f"resumed from step {resume_step}" if resume is not None else "restarted from initialisation"
+    if resume is not None and resume is not max(candidates, key=_order) and resume.loss is not None:
+        where += f" (its best checkpoint, loss {_num(resume.loss)}, not the newest)"
     if early:
         where += f" (went further back: it failed {onset - last.start_step} steps after resuming at step "
         where += f"{last.start_step})"

@@ -34,7 +34,7 @@ def cps(attempt: int, steps: range | list[int], *, start_id: int = 1, **kw: Any)
 
 
 def diverged(number: int = 1, onset: int = 812, *, kind: str = "initial", start: int = 0, **kw: Any) -> AttemptRecord:
-    kw.setdefault("detector", "grad_norm_spike")
+    kw.setdefault("detector", "divergence")
     return AttemptRecord(number=number, kind=kind, outcome="diverged", start_step=start, onset_step=onset,
                          final_step=onset + 2, **kw)
 
@@ -150,23 +150,29 @@ def test_checkpoints_of_an_abandoned_branch_are_never_resumed() -> None:
 
 # -------------------------------------------------------------------------------------- diverged: tightening
 @pytest.mark.parametrize(
-    ("optimizer", "order", "first", "second"),
+    ("optimizer", "order", "detector", "first", "second"),
     [
-        # auto: Adam family lowers LR first; clipping joins on the 2nd retry
-        ("adamw", "auto", {"optimizer.lr"}, {"optimizer.lr", "clipping.max_norm"}),
-        ("adam", "auto", {"optimizer.lr"}, {"optimizer.lr", "clipping.max_norm"}),
-        # auto: SGD clips first; LR joins on the 2nd retry
-        ("sgd", "auto", {"clipping.max_norm"}, {"optimizer.lr", "clipping.max_norm"}),
-        # explicit orders win over the optimizer family
-        ("sgd", "lr_first", {"optimizer.lr"}, {"optimizer.lr", "clipping.max_norm"}),
-        ("adamw", "clip_first", {"clipping.max_norm"}, {"optimizer.lr", "clipping.max_norm"}),
-        ("adamw", "both", {"optimizer.lr", "clipping.max_norm"}, {"optimizer.lr", "clipping.max_norm"}),
+        # auto, by evidence: a loss divergence lowers the LR first whatever the optimizer; clip joins on the 2nd
+        ("adamw", "auto", "divergence", {"optimizer.lr"}, {"optimizer.lr", "clipping.max_norm"}),
+        ("sgd", "auto", "loss_spike", {"optimizer.lr"}, {"optimizer.lr", "clipping.max_norm"}),
+        ("sgd", "auto", "nonfinite", {"optimizer.lr"}, {"optimizer.lr", "clipping.max_norm"}),
+        # auto, by evidence: a gradient spike with a healthy loss tightens the clip first, whatever the optimizer
+        ("adamw", "auto", "grad_norm_spike", {"clipping.max_norm"}, {"optimizer.lr", "clipping.max_norm"}),
+        ("adam", "auto", "skip_escalation", {"clipping.max_norm"}, {"optimizer.lr", "clipping.max_norm"}),
+        # auto with evidence it does not know: the optimizer family (Adam: LR; SGD: clip)
+        ("adamw", "auto", "custom_kind", {"optimizer.lr"}, {"optimizer.lr", "clipping.max_norm"}),
+        ("sgd", "auto", None, {"clipping.max_norm"}, {"optimizer.lr", "clipping.max_norm"}),
+        # explicit orders win over the evidence
+        ("sgd", "lr_first", "grad_norm_spike", {"optimizer.lr"}, {"optimizer.lr", "clipping.max_norm"}),
+        ("adamw", "clip_first", "divergence", {"clipping.max_norm"}, {"optimizer.lr", "clipping.max_norm"}),
+        ("adamw", "both", "grad_norm_spike", {"optimizer.lr", "clipping.max_norm"},
+         {"optimizer.lr", "clipping.max_norm"}),
     ],
 )
-def test_tighten_order(optimizer: str, order: str, first: set[str], second: set[str]) -> None:
+def test_tighten_order(optimizer: str, order: str, detector: str | None, first: set[str], second: set[str]) -> None:
     r = recipe(optimizer={"name": optimizer, "lr": 0.004}, clipping={"max_norm": 2.0},
                recovery={"tighten_order": order})
-    p1 = plan(r, [diverged(1, 812)], EVERY_100)
+    p1 = plan(r, [diverged(1, 812, detector=detector)], EVERY_100)
     assert set(p1.overrides) == first
     a2 = follow(diverged(1, 812), p1, 2, onset=900)
     p2 = plan(r, [diverged(1, 812), a2], EVERY_100)
@@ -212,9 +218,9 @@ def test_lr_below_the_floor_is_never_raised() -> None:
 
 def test_everything_at_its_floor_gives_up_with_the_floors_in_the_reason() -> None:
     r = recipe(optimizer={"lr": 1e-6}, clipping={"max_norm": 0.01}, recovery={"min_lr": 1e-6, "min_clip": 0.01})
-    out = give_up(r, [diverged(4, 120, detector="loss_spike")], EVERY_100)
+    out = give_up(r, [diverged(4, 812, detector="loss_spike")], EVERY_100)
     assert out.reason == (
-        "attempt 4 diverged at step 120 (loss_spike); nothing left to tighten (lr at floor 1e-06, clip at floor 0.01)"
+        "attempt 4 diverged at step 812 (loss_spike); nothing left to tighten (lr at floor 1e-06, clip at floor 0.01)"
     )
 
 
@@ -266,7 +272,7 @@ def test_clipping_none_turns_on_global_norm(
 ) -> None:
     r = recipe(optimizer={"name": "sgd"}, clipping={"method": "none", "max_norm": max_norm},
                recovery={"clip_to_median_multiple": multiple})
-    p = plan(r, [diverged(median_grad_norm=median)], EVERY_100)
+    p = plan(r, [diverged(median_grad_norm=median, detector="grad_norm_spike")], EVERY_100)
     assert p.overrides == expected
     assert "clipping none→global_norm" in p.reason
     eff = apply_overrides(r, p.overrides_json())
@@ -275,11 +281,11 @@ def test_clipping_none_turns_on_global_norm(
 
 def test_adaptive_clipping_tightens_agc_lambda_down_to_its_floor() -> None:
     r = recipe(optimizer={"name": "sgd"}, clipping={"method": "adaptive", "agc_lambda": 0.04})
-    p = plan(r, [diverged()], EVERY_100)
+    p = plan(r, [diverged(detector="grad_norm_spike")], EVERY_100)
     assert p.overrides == {"clipping.agc_lambda": (0.04, 0.02)}
     at_floor = recipe(optimizer={"name": "sgd", "lr": 1e-6}, clipping={"method": "adaptive",
                                                                        "agc_lambda": MIN_AGC_LAMBDA})
-    assert "agc_lambda at floor" in give_up(at_floor, [diverged()], EVERY_100).reason
+    assert "agc_lambda at floor" in give_up(at_floor, [diverged(detector="grad_norm_spike")], EVERY_100).reason
 
 
 def test_per_layer_clipping_ignores_the_global_median() -> None:
@@ -511,3 +517,67 @@ def test_restart_latest_strategy_resumes_the_newest_checkpoint_with_unchanged_se
     second = AttemptRecord(number=2, kind="numeric_retry", outcome="diverged", start_step=100, onset_step=120,
                            final_step=121, resumed_from_id=2)
     assert isinstance(decide(recipe, [last, second], ckpts), GiveUp)
+
+
+# ------------------------------------------------------------------------ judgement: the knob the evidence names
+def _ck(id_: int, step: int, loss: float | None, healthy: bool = True) -> CheckpointRecord:
+    return CheckpointRecord(id_, 1, step, f"file:///ck/1/{step}", healthy, loss=loss)
+
+
+@pytest.mark.parametrize(
+    ("losses", "expected_step"),
+    [
+        ([2.0, 1.6, 1.9, 2.2], 100),    # the best, not the newest: 300 had already degraded
+        ([2.0, 1.6, 1.6, 2.2], 200),    # ties: the newest of the best
+        ([None, None, None, None], 300),  # nothing known: the newest (the old rule)
+        ([2.0, None, 1.5, None], 200),  # unknown losses never win over known ones
+    ],
+)
+def test_rollback_goes_to_the_best_healthy_checkpoint_before_the_onset(
+    losses: list[float | None], expected_step: int
+) -> None:
+    checkpoints = [_ck(i + 1, s, x) for i, (s, x) in enumerate(zip([0, 100, 200, 300], losses, strict=True))]
+    checkpoints.append(_ck(9, 400, 0.1))  # after the onset: never
+    p = plan(recipe(), [diverged(1, 350)], checkpoints)
+    assert p.resume_step == expected_step
+    if expected_step != 300 and losses[-1] is not None:
+        assert "not the newest" in p.reason
+
+
+def test_vanishing_gives_up_with_the_diagnosis_after_at_most_one_look() -> None:
+    for kind in ("vanishing", "vanishing_gradients"):
+        out = give_up(recipe(), [diverged(1, 300, detector=kind)], EVERY_100)
+        assert "vanishing" in out.reason and "cannot be fixed by tightening" in out.reason
+
+
+@pytest.mark.parametrize(
+    ("schedule", "onset", "warmup_override", "text"),
+    [
+        ({}, 3, (None, 200), "added a 200-step warmup"),               # early, no warmup: add one
+        ({"warmup_steps": 100}, 120, (100, 200), "warmup 100→200"),    # right after the warmup: lengthen it
+        ({"warmup_fraction": 0.05}, 90, (None, 200), "warmup 100→200"),  # fraction form: set steps, drop fraction
+        ({"warmup_steps": 100}, 900, None, None),                      # long after the warmup: leave it
+        ({}, 812, None, None),                                          # late, no warmup: re-warm only
+    ],
+)
+def test_warmup_rules(schedule: dict[str, Any], onset: int, warmup_override: tuple[Any, Any] | None,
+                      text: str | None) -> None:
+    r = recipe(schedule=schedule)
+    p = plan(r, [diverged(1, onset)], cps(1, [0]))
+    assert p.overrides.get("schedule.warmup_steps") == warmup_override
+    if "warmup_fraction" in schedule:
+        assert p.overrides["schedule.warmup_fraction"] == (0.05, None)
+    if text is not None:
+        assert text in p.reason
+        assert "optimizer.lr" in p.overrides  # a too-high peak is lowered as well
+
+
+def test_no_progress_or_an_early_blow_up_lowers_the_lr_by_the_factor_squared() -> None:
+    r = recipe(optimizer={"lr": 0.01})
+    never = plan(r, [diverged(1, 0, detector="never_learned")], cps(1, [0]))
+    assert never.overrides["optimizer.lr"] == (0.01, pytest.approx(0.0025))
+    early = plan(r, [diverged(1, 4, detector="divergence")], cps(1, [0]))
+    assert early.overrides["optimizer.lr"] == (0.01, pytest.approx(0.0025))
+    late = plan(r, [diverged(1, 812, detector="divergence")], EVERY_100)
+    assert late.overrides["optimizer.lr"] == (0.01, pytest.approx(0.005))
+

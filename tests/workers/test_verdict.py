@@ -1,0 +1,81 @@
+"""Table tests for the outcome verdict: reaching max_steps is not success."""
+
+from __future__ import annotations
+
+import pytest
+
+from contracts.recipe import Success
+from workers.verdict import (
+    DEGRADED,
+    NEVER_LEARNED,
+    VANISHING,
+    Evidence,
+    early_check_step,
+    final_loss,
+    judge_end,
+    judge_progress,
+    progress,
+)
+
+CFG = Success()
+
+
+def ev(final: float | None, *, best: float | None = 1.6, best_step: int | None = 250, initial: float | None = 4.2,
+       floor: float | None = 1.39, noise: float = 0.0, vanishing: bool = False, start: int = 0) -> Evidence:
+    return Evidence(final_loss=final, best_loss=best, best_step=best_step, initial_loss=initial, loss_floor=floor,
+                    noise_std=noise, vanishing=vanishing, start_step=start)
+
+
+@pytest.mark.parametrize(
+    ("evidence", "kind", "onset"),
+    [
+        (ev(1.65), None, None),                                   # learned, at its best: healthy
+        (ev(4.0), NEVER_LEARNED, 0),                              # a plateau at chance after an early blow-up
+        (ev(4.0, vanishing=True), VANISHING, 0),                  # vanishing and no progress: give up
+        (ev(1.65, vanishing=True), None, None),                   # a recorded vanishing profile, but it learned
+        (ev(2.4), DEGRADED, 251),                                  # 1.5x its own best: back to the best checkpoint
+        (ev(1.9, noise=0.5), None, None),                          # noisy loss: within one batch-noise std
+        (ev(2.0, best=None, best_step=None), None, None),         # no best known: only progress is judged
+        (ev(None), DEGRADED, 0),                                   # nothing finite at the end
+        (ev(0.5, best=0.48, initial=1.0, floor=None), None, None),  # unknown floor: progress towards 0
+        (ev(0.9, best=0.85, initial=1.0, floor=None), NEVER_LEARNED, 0),  # 10% of the way to 0 < 25%
+        (ev(2.4, start=100), DEGRADED, 251),
+    ],
+)
+def test_judge_end(evidence: Evidence, kind: str | None, onset: int | None) -> None:
+    v = judge_end(CFG, evidence)
+    assert v.kind == kind, v.reason
+    assert v.healthy is (kind is None)
+    if kind is not None:
+        assert v.onset_step == onset
+        assert v.value == evidence.final_loss
+
+
+def test_reasons_name_the_numbers() -> None:
+    v = judge_end(CFG, ev(2.4))
+    assert "2.4" in v.reason and "1.6" in v.reason and "step 250" in v.reason
+    v = judge_end(CFG, ev(4.0, vanishing=True))
+    assert "vanishing" in v.reason and "4" in v.reason
+
+
+def test_users_own_bar() -> None:
+    cfg = Success(max_final_loss=1.5)
+    assert judge_end(cfg, ev(1.65)).kind == "above_bar"
+    assert judge_end(cfg, ev(1.45, best=1.44)).healthy
+
+
+def test_progress_and_early_check() -> None:
+    assert progress(2.8, 4.2, 1.4) == pytest.approx(0.5)
+    assert progress(1.0, None, 0.0) is None
+    assert progress(0.25, 0.5, 1.0) == pytest.approx(0.5)  # a floor above the initial loss: measure toward 0
+    assert early_check_step(CFG, max_steps=300, warmup_steps=0) == 75
+    assert early_check_step(CFG, max_steps=300, warmup_steps=40) == 120
+    assert early_check_step(CFG, max_steps=10, warmup_steps=9) == 9
+    stuck = judge_progress(CFG, smoothed_loss=4.15, ev=ev(None), step=75)
+    assert stuck.kind == NEVER_LEARNED and "step 75" in stuck.reason and stuck.onset_step == 0
+    assert judge_progress(CFG, smoothed_loss=3.5, ev=ev(None), step=75).healthy
+
+
+def test_final_loss_is_the_mean_of_the_last_finite_losses() -> None:
+    assert final_loss([5.0, 1.0, float("nan"), 3.0], 2) == pytest.approx(2.0)
+    assert final_loss([float("inf")], 5) is None

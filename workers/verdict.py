@@ -1,0 +1,157 @@
+"""The outcome verdict: is the model healthy where the attempt ends? Pure: numbers in, a verdict out.
+
+Reaching ``max_steps`` is not success. An attempt that ran to its end is judged on what Ballast can see at run
+time (the recipe's ``success`` section holds the tolerances):
+
+- **vanishing**: the gradients vanished (the vanishing detector fired) and the model made no real progress. No
+  tightening of the LR or the clip threshold can help, so the recovery policy gives up with this diagnosis.
+- **never learned**: the final loss has not covered ``min_progress`` of the way from the clean initial loss down
+  to the data's known loss floor (0 when unknown). The same test, with ``early_min_progress``, runs once at the
+  early check (``early_check_step``), so a run that never learns is stopped after a quarter of its steps.
+- **degraded**: the final loss is more than ``regression_tolerance`` above the best smoothed loss the lineage
+  reached; the onset is just after the best step, so the rollback goes back to the best checkpoint.
+- **above the bar**: the final loss is above the user's ``max_final_loss``.
+
+The clean initial loss is the lower of the first finite loss of the lineage (measured before any update, so no
+blow-up can raise it) and the detector's mean of the first few losses: a blow-up in the first steps must not
+make a plateau at the initial level look like progress.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from contracts.recipe import Success
+
+VANISHING = "vanishing"
+NEVER_LEARNED = "never_learned"
+DEGRADED = "degraded"
+ABOVE_BAR = "above_bar"
+VERDICT_KINDS = (VANISHING, NEVER_LEARNED, DEGRADED, ABOVE_BAR)
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """What was found wrong (``kind`` None: healthy), on which numbers, and where it went wrong."""
+
+    kind: str | None
+    reason: str
+    value: float | None = None
+    threshold: float | None = None
+    onset_step: int | None = None
+
+    @property
+    def healthy(self) -> bool:
+        return self.kind is None
+
+
+@dataclass(frozen=True)
+class Evidence:
+    """The numbers the verdict reads, gathered by the trainer."""
+
+    final_loss: float | None
+    """Mean of the last ``success.window`` finite losses of the attempt (None: none finite)."""
+    best_loss: float | None
+    """Best smoothed loss of the lineage (the loss detector's, restored with the checkpoint on resume)."""
+    best_step: int | None
+    initial_loss: float | None
+    """Clean initial loss of the lineage (see the module docstring)."""
+    loss_floor: float | None
+    """The data's best achievable loss, when known."""
+    noise_std: float = 0.0
+    """Batch-to-batch standard deviation of the loss (the loss detector's estimate): the regression test allows
+    one of it on top of the tolerance, since the best smoothed loss of a noisy loss is biased low."""
+    vanishing: bool = False
+    """The vanishing detector fired in this attempt."""
+    start_step: int = 0
+
+
+def final_loss(losses: Sequence[float], window: int) -> float | None:
+    """Mean of the last ``window`` finite losses (None when there is none)."""
+    finite = [x for x in losses if math.isfinite(x)]
+    if not finite:
+        return None
+    tail = finite[-window:]
+    return sum(tail) / len(tail)
+
+
+def progress(value: float, initial: float | None, floor: float | None) -> float | None:
+    """Fraction of the way from ``initial`` down to ``floor`` (0 when unknown) that ``value`` has covered."""
+    if initial is None or not math.isfinite(initial):
+        return None
+    target = floor if floor is not None and math.isfinite(floor) and floor < initial else 0.0
+    gap = initial - target
+    if gap <= 0.0:
+        return None
+    return (initial - value) / gap
+
+
+def early_check_step(cfg: Success, *, max_steps: int, warmup_steps: int) -> int:
+    """The step at which a run that has not started learning is stopped as never learned."""
+    return min(max_steps - 1, max(int(cfg.early_check_fraction * max_steps), 3 * warmup_steps))
+
+
+def _fmt(x: float | None) -> str:
+    return "?" if x is None else f"{x:.4g}"
+
+
+def judge_progress(cfg: Success, *, smoothed_loss: float, ev: Evidence, step: int) -> Verdict:
+    """The early check: has the run covered ``early_min_progress`` of the way to the floor by ``step``?"""
+    p = progress(smoothed_loss, ev.initial_loss, ev.loss_floor)
+    if p is None or p >= cfg.early_min_progress:
+        return Verdict(None, "learning")
+    floor = "its floor" if ev.loss_floor is None else f"the floor {_fmt(ev.loss_floor)}"
+    return Verdict(
+        NEVER_LEARNED,
+        f"never learned: by step {step} the smoothed loss {_fmt(smoothed_loss)} covered {p:.0%} of the way from "
+        f"the initial {_fmt(ev.initial_loss)} to {floor} (needs {cfg.early_min_progress:.0%})",
+        value=smoothed_loss, threshold=_threshold(ev, cfg.early_min_progress), onset_step=ev.start_step,
+    )
+
+
+def _threshold(ev: Evidence, share: float) -> float | None:
+    if ev.initial_loss is None:
+        return None
+    target = ev.loss_floor if ev.loss_floor is not None and ev.loss_floor < ev.initial_loss else 0.0
+    return ev.initial_loss - share * (ev.initial_loss - target)
+
+
+def judge_end(cfg: Success, ev: Evidence) -> Verdict:
+    """The verdict on an attempt that reached its last step (rules in the module docstring, in that order)."""
+    final = ev.final_loss
+    if final is None:
+        return Verdict(DEGRADED, "no finite loss in the attempt's last steps", onset_step=ev.start_step)
+    p = progress(final, ev.initial_loss, ev.loss_floor)
+    learned = p is None or p >= cfg.min_progress
+    if ev.vanishing and not learned:
+        return Verdict(
+            VANISHING,
+            f"vanishing gradients: the final loss {_fmt(final)} covered {p:.0%} of the way from the initial "
+            f"{_fmt(ev.initial_loss)} to the floor; tightening the LR or clip cannot fix vanishing gradients "
+            "(change the activation, the initialisation, normalisation or residual connections)",
+            value=final, threshold=_threshold(ev, cfg.min_progress), onset_step=ev.start_step,
+        )
+    if not learned:
+        return Verdict(
+            NEVER_LEARNED,
+            f"never learned: the final loss {_fmt(final)} covered {p:.0%} of the way from the initial "
+            f"{_fmt(ev.initial_loss)} to the floor (needs {cfg.min_progress:.0%})",
+            value=final, threshold=_threshold(ev, cfg.min_progress), onset_step=ev.start_step,
+        )
+    limit = None if ev.best_loss is None else (1.0 + cfg.regression_tolerance) * ev.best_loss + ev.noise_std
+    if ev.best_loss is not None and ev.best_loss > 0 and limit is not None and final > limit:
+        onset = ev.start_step if ev.best_step is None else max(ev.best_step + 1, 0)
+        return Verdict(
+            DEGRADED,
+            f"degraded: the final loss {_fmt(final)} is {final / ev.best_loss:.2f}x the best smoothed loss "
+            f"{_fmt(ev.best_loss)} (step {ev.best_step}); allowed up to {_fmt(limit)}",
+            value=final, threshold=limit, onset_step=onset,
+        )
+    if cfg.max_final_loss is not None and final > cfg.max_final_loss:
+        return Verdict(
+            ABOVE_BAR, f"the final loss {_fmt(final)} is above success.max_final_loss {_fmt(cfg.max_final_loss)}",
+            value=final, threshold=cfg.max_final_loss, onset_step=ev.start_step,
+        )
+    return Verdict(None, f"healthy: final loss {_fmt(final)}, best {_fmt(ev.best_loss)}")
