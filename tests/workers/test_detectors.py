@@ -590,3 +590,19 @@ def test_finding_event_shape_and_strongest_action() -> None:
     assert ev["rank"] == 1 and ev["action"] == "rollback" and ev["details"]["loss"] == "nan"
     assert ev["details"]["config"]["action"] == "rollback"
     json.dumps(ev, allow_nan=False)
+
+
+def test_an_early_bump_does_not_poison_the_initial_loss() -> None:
+    """Issue 9, case 1: a loss that jumps in the first steps (below the blow-up limit) and falls back to a plateau
+    must not raise the baseline that progress is measured from: the first loss, before any update, bounds it."""
+    series = [StepSignals(step=i, loss=x, grad_norm=1.0, finite=True)
+              for i, x in enumerate([4.2, 6.0, 6.1, 4.0, 4.05, 4.0, 4.02, 3.98])]
+    suite = DetectorSuite(Detectors())
+    for s in series:
+        suite.observe(s)
+    det = suite.loss_spike
+    assert det.initial is not None and det.initial > 4.5  # the mean took the bump in
+    assert det.clean_initial == pytest.approx(4.2)
+    restored = DetectorSuite(Detectors())
+    restored.load_state_dict(suite.state_dict())
+    assert restored.loss_spike.clean_initial == pytest.approx(4.2)  # survives a checkpoint

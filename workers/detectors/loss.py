@@ -73,6 +73,8 @@ class LossSpike(Detector):
         """Mean of the ``initial_n`` losses absorbed among the first ``initial_seen`` finite ones."""
         self.initial_n = 0
         self.initial_seen = 0
+        self.first_loss: float | None = None
+        """The lineage's first finite loss, measured before any update: no blow-up can have raised it."""
         self.noise = Ema(cfg.ema_alpha)
         """EMA of (Δloss)²/2 between consecutive noise samples, except rises into the cap: the batch-noise variance."""
         self.last_loss: float | None = None
@@ -80,6 +82,7 @@ class LossSpike(Detector):
         self._pending: tuple[int, float] | None = None
         self._pending_noise: tuple[float, bool] | None = None  # (noise sample, capped)
         self._seen = False
+        self._first: float | None = None
 
     def _std(self) -> float:
         return max(self.ema.std, LOSS_STD_FLOOR * abs(self.ema.mean), 1e-12)
@@ -88,9 +91,20 @@ class LossSpike(Detector):
         """``NOISE_MARGIN`` batch-noise standard deviations (0 until there are two noise samples)."""
         return NOISE_MARGIN * math.sqrt(self.noise.mean) if self.noise.n else 0.0
 
+    @property
+    def clean_initial(self) -> float | None:
+        """The initial loss no early blow-up can poison: the lower of the first loss and the initial mean."""
+        known = [x for x in (self.first_loss, self.initial) if x is not None]
+        return min(known) if known else None
+
+    @property
+    def noise_std(self) -> float:
+        """Batch-to-batch standard deviation of the loss (0 until there are two samples)."""
+        return math.sqrt(self.noise.mean) if self.noise.n else 0.0
+
     def _initial_limit(self) -> float | None:
         """The loss above which the initial-ratio rule holds; None while it cannot fire."""
-        ratio, initial = self.cfg.max_initial_ratio, self.initial
+        ratio, initial = self.cfg.max_initial_ratio, self.clean_initial
         if ratio is None or initial is None or initial <= 0.0:
             return None
         return initial + max((ratio - 1.0) * initial, self._noise_margin())
@@ -98,7 +112,7 @@ class LossSpike(Detector):
     def _collapse_limit(self, share: float = 1.0) -> float | None:
         """The smoothed loss above which the collapse rule holds (with ``share`` = 0.5: the level up to which the
         smoothed loss still counts as calm, for the onset); None while the rule cannot fire."""
-        frac, initial, best = self.cfg.collapse_fraction, self.initial, self.best
+        frac, initial, best = self.cfg.collapse_fraction, self.clean_initial, self.best
         if frac is None or initial is None or best is None or self.initial_seen < INITIAL_LOSS_STEPS:
             return None  # the initial loss is still moving with the running mean: nothing to collapse back to yet
         if initial <= 0.0 or initial - best < max(MIN_PROGRESS * initial, self._noise_margin()):
@@ -111,6 +125,7 @@ class LossSpike(Detector):
         self._seen = math.isfinite(loss)
         if not self._seen:
             return
+        self._first = loss
         z_anom = ratio_anom = False
         z = std = 0.0
         best = self.best
@@ -126,7 +141,7 @@ class LossSpike(Detector):
         self.run.update(anomalous, s.step)
         if anomalous and self.run.fires(cfg.patience, cfg.action):
             details = {"z": z, "ema_mean": self.ema.mean, "ema_std": self.ema.std, "best_smoothed": self.best,
-                       "best_step": self.best_step, "initial_loss": self.initial, "run_length": self.run.count}
+                       "best_step": self.best_step, "initial_loss": self.clean_initial, "run_length": self.run.count}
             if ratio_anom and best is not None:
                 onset = self.run.onset
                 if self.calm_step is not None and onset is not None:
@@ -153,6 +168,9 @@ class LossSpike(Detector):
 
     def commit(self, absorb: bool) -> None:
         window = self._seen and self.initial_seen < INITIAL_LOSS_STEPS
+        if window and self.initial_seen == 0 and self._first is not None:
+            self.first_loss = self._first
+        self._first = None
         if window:
             self.initial_seen += 1
         self._seen = False
@@ -194,6 +212,7 @@ class LossSpike(Detector):
         return {"ema": self.ema.state(), "run": self.run.state(), "best": self.best, "best_step": self.best_step,
                 "calm_step": self.calm_step, "initial": self.initial, "initial_n": self.initial_n,
                 "initial_seen": self.initial_seen, "noise": self.noise.state(), "last_loss": self.last_loss,
+                "first_loss": self.first_loss,
                 "collapse_calm_step": self.collapse_calm_step}
 
     def load(self, d: dict[str, Any]) -> None:
@@ -208,6 +227,8 @@ class LossSpike(Detector):
             self.collapse_calm_step = None if d["collapse_calm_step"] is None else int(d["collapse_calm_step"])
             self.initial = None if d["initial"] is None else float(d["initial"])
             self.initial_n, self.initial_seen = int(d["initial_n"]), int(d["initial_seen"])
+            first = d.get("first_loss")
+            self.first_loss = None if first is None else float(first)
             if not (0 <= self.initial_n <= self.initial_seen <= INITIAL_LOSS_STEPS
                     and (self.initial is None) == (self.initial_n == 0)
                     and (self.initial is None or math.isfinite(self.initial))):
