@@ -5,7 +5,7 @@ from __future__ import annotations
 from enum import StrEnum
 from typing import Annotated, Any, Literal
 
-from pydantic import Discriminator, Field, Tag
+from pydantic import Discriminator, Field, StrictFloat, StrictInt, Tag
 
 from contracts.recipe.base import Section, name_tag
 from contracts.recipe.imports import ImportString
@@ -15,13 +15,13 @@ class MarkovData(Section):
     """A seeded synthetic language (a sparse Markov chain) with a known entropy floor."""
 
     name: Literal["markov"] = "markov"
-    vocab_size: int = Field(default=64, ge=2, le=65536)
+    vocab_size: StrictInt = Field(default=64, ge=2, le=65536)
     """Number of distinct tokens."""
-    seq_len: int = Field(default=32, ge=2, le=8192)
+    seq_len: StrictInt = Field(default=32, ge=2, le=8192)
     """Tokens per training sequence (must not exceed the model's context)."""
-    branching: int = Field(default=4, ge=1, le=1024)
+    branching: StrictInt = Field(default=4, ge=1, le=1024)
     """Successors each token can be followed by; the entropy floor is about log(branching)."""
-    seed: int = Field(default=1234, ge=0)
+    seed: StrictInt = Field(default=1234, ge=0)
     """Seed of the language itself (transition table); the sample stream uses training.seed."""
 
 
@@ -29,13 +29,13 @@ class RegressionData(Section):
     """Noisy linear (or mildly nonlinear) regression data."""
 
     name: Literal["regression"] = "regression"
-    dim: int = Field(default=32, ge=1, le=65536)
+    dim: StrictInt = Field(default=32, ge=1, le=65536)
     """Input dimension."""
-    noise: float = Field(default=0.01, ge=0.0, le=100.0)
+    noise: StrictFloat = Field(default=0.01, ge=0.0, le=100.0)
     """Standard deviation of the label noise."""
-    condition: float = Field(default=1.0, ge=1.0, le=1e6)
+    condition: StrictFloat = Field(default=1.0, ge=1.0, le=1e6)
     """Condition number of the input covariance (large values make optimisation ill-conditioned)."""
-    seed: int = Field(default=1234, ge=0)
+    seed: StrictInt = Field(default=1234, ge=0)
     """Seed of the ground-truth function."""
 
 
@@ -50,11 +50,11 @@ class SequenceData(Section):
     name: Literal["sequence"] = "sequence"
     task: SequenceTask = SequenceTask.running_sum
     """What the model must predict at each position."""
-    seq_len: int = Field(default=32, ge=2, le=8192)
+    seq_len: StrictInt = Field(default=32, ge=2, le=8192)
     """Sequence length."""
-    dim: int = Field(default=8, ge=1, le=4096)
+    dim: StrictInt = Field(default=8, ge=1, le=4096)
     """Feature dimension per position."""
-    seed: int = Field(default=1234, ge=0)
+    seed: StrictInt = Field(default=1234, ge=0)
     """Seed of the task."""
 
 

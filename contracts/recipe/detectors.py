@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from enum import StrEnum
 
-from pydantic import Field
+from pydantic import Field, StrictBool, StrictFloat, StrictInt
 
 from contracts.recipe.base import Section
 
@@ -16,109 +16,109 @@ class Action(StrEnum):
 
 
 class NonFiniteDetector(Section):
-    enabled: bool = True
+    enabled: StrictBool = True
     """Check loss and gradients for NaN/Inf before optimizer.step()."""
     action: Action = Action.rollback
     """What to do on a non-finite loss or gradient (outside fp16 overflow handling)."""
-    min_loss_scale: float = Field(default=1.0, gt=0.0)
+    min_loss_scale: StrictFloat = Field(default=1.0, gt=0.0)
     """fp16: the loss scale has collapsed when it falls below this."""
-    max_overflow_fraction: float = Field(default=0.5, gt=0.0, le=1.0)
+    max_overflow_fraction: StrictFloat = Field(default=0.5, gt=0.0, le=1.0)
     """fp16: collapse also when more than this fraction of the last overflow_window steps overflowed."""
-    overflow_window: int = Field(default=20, ge=1)
+    overflow_window: StrictInt = Field(default=20, ge=1)
     """fp16: window (steps) for max_overflow_fraction."""
 
 
 class GradNormSpikeDetector(Section):
-    enabled: bool = True
+    enabled: StrictBool = True
     """EMA z-score of log global grad norm (before clipping)."""
     action: Action = Action.skip_step
     """What to do on a spike."""
-    z_threshold: float = Field(default=6.0, gt=0.0)
+    z_threshold: StrictFloat = Field(default=6.0, gt=0.0)
     """Fire when (log norm - EMA mean) / EMA std exceeds this."""
-    ema_alpha: float = Field(default=0.05, gt=0.0, lt=1.0)
+    ema_alpha: StrictFloat = Field(default=0.05, gt=0.0, lt=1.0)
     """EMA coefficient."""
-    warmup_steps: int = Field(default=25, ge=0)
+    warmup_steps: StrictInt = Field(default=25, ge=0)
     """Steps observed before the detector may fire."""
-    patience: int = Field(default=1, ge=1)
+    patience: StrictInt = Field(default=1, ge=1)
     """Consecutive spiking steps needed to fire."""
-    min_ratio: float = Field(default=4.0, ge=1.0)
+    min_ratio: StrictFloat = Field(default=4.0, ge=1.0)
     """Also require the norm to exceed this multiple of the EMA level (guards against tiny variances)."""
 
 
 class LossSpikeDetector(Section):
-    enabled: bool = True
+    enabled: StrictBool = True
     """Loss z-score against its EMA, loss far above the best smoothed loss or the initial loss, or a collapse back
     towards the initial loss."""
     action: Action = Action.rollback
     """What to do on divergence."""
-    z_threshold: float = Field(default=6.0, gt=0.0)
+    z_threshold: StrictFloat = Field(default=6.0, gt=0.0)
     """Fire when (loss - EMA mean) / EMA std exceeds this."""
-    ratio_threshold: float = Field(default=2.0, gt=1.0)
+    ratio_threshold: StrictFloat = Field(default=2.0, gt=1.0)
     """Fire when the smoothed loss exceeds this multiple of the best smoothed loss so far."""
-    max_initial_ratio: float | None = Field(default=1.5, gt=1.0)
+    max_initial_ratio: StrictFloat | None = Field(default=1.5, gt=1.0)
     """Fire (kind divergence) when the loss exceeds this multiple of the initial loss: the mean of the losses among
     the first 5 finite ones that were not skipped and not already this far above the mean so far. A healthy run
     never ends up far above where it started, so this rule needs no warmup (``warmup_steps`` does not apply to
     it): it catches the blow-up in the first steps of a too-high LR, which the warmup would hide. The rise must
     also be 4 batch-noise deviations; still, for a loss with more than ~15% batch noise (MSE on a few samples)
     raise it or disable it. None disables."""
-    collapse_fraction: float | None = Field(default=0.8, gt=0.0, le=1.0)
+    collapse_fraction: StrictFloat | None = Field(default=0.8, gt=0.0, le=1.0)
     """Fire (kind divergence) when the smoothed loss has given back this fraction of the progress it made, from
     the initial loss down to the best smoothed loss (a run that learned, then collapsed back towards where it
     started). Only once the best smoothed loss is at least 10% (and 4 batch-noise deviations) below the initial
     loss; no warmup. None disables."""
-    ema_alpha: float = Field(default=0.05, gt=0.0, lt=1.0)
+    ema_alpha: StrictFloat = Field(default=0.05, gt=0.0, lt=1.0)
     """EMA coefficient for mean, variance and the smoothed loss."""
-    warmup_steps: int = Field(default=25, ge=0)
+    warmup_steps: StrictInt = Field(default=25, ge=0)
     """Steps observed before the z-score and best-ratio rules may fire."""
-    patience: int = Field(default=3, ge=1)
+    patience: StrictInt = Field(default=3, ge=1)
     """Consecutive anomalous steps needed to fire (any of the rules)."""
 
 
 class VanishingDetector(Section):
-    enabled: bool = True
+    enabled: StrictBool = True
     """Global grad norm below a floor for N steps; per-layer norms decaying geometrically with depth."""
     action: Action = Action.record
     """What to do when gradients vanish."""
-    min_grad_norm: float = Field(default=1e-7, ge=0.0)
+    min_grad_norm: StrictFloat = Field(default=1e-7, ge=0.0)
     """Floor on the global grad norm."""
-    patience: int = Field(default=20, ge=1)
+    patience: StrictInt = Field(default=20, ge=1)
     """Consecutive steps below the floor needed to fire."""
-    depth_slope_threshold: float = Field(default=-0.5, lt=0.0)
+    depth_slope_threshold: StrictFloat = Field(default=-0.5, lt=0.0)
     """Diagnose 'vanishing with depth' when the least-squares slope of ln(layer grad norm) per layer, measured
     from the output layer back toward the input (the way gradients flow), is below this: negative means the
     norms shrink toward the input; -0.5 is each layer about 0.6x the one above it."""
-    warmup_steps: int = Field(default=10, ge=0)
+    warmup_steps: StrictInt = Field(default=10, ge=0)
     """Steps before the detector may fire."""
 
 
 class StagnationDetector(Section):
-    enabled: bool = True
+    enabled: StrictBool = True
     """Update-to-weight ratio below a floor for N steps (training has stopped moving)."""
     action: Action = Action.record
     """What to do on stagnation."""
-    min_update_ratio: float = Field(default=1e-7, ge=0.0)
+    min_update_ratio: StrictFloat = Field(default=1e-7, ge=0.0)
     """Floor on ||lr * update|| / ||weights||."""
-    patience: int = Field(default=5, ge=1)
+    patience: StrictInt = Field(default=5, ge=1)
     """Consecutive measurements below the floor needed to fire."""
-    warmup_steps: int = Field(default=20, ge=0)
+    warmup_steps: StrictInt = Field(default=20, ge=0)
     """Steps before the detector may fire."""
 
 
 class OscillationDetector(Section):
-    enabled: bool = True
+    enabled: StrictBool = True
     """Loss variance over a window far above its running level."""
     action: Action = Action.record
     """What to do on oscillation."""
-    window: int = Field(default=20, ge=3)
+    window: StrictInt = Field(default=20, ge=3)
     """Window (steps) of the short-term loss variance."""
-    variance_ratio: float = Field(default=25.0, gt=1.0)
+    variance_ratio: StrictFloat = Field(default=25.0, gt=1.0)
     """Fire when window variance exceeds this multiple of the long-run variance."""
-    ema_alpha: float = Field(default=0.01, gt=0.0, lt=1.0)
+    ema_alpha: StrictFloat = Field(default=0.01, gt=0.0, lt=1.0)
     """EMA coefficient of the long-run variance."""
-    warmup_steps: int = Field(default=50, ge=0)
+    warmup_steps: StrictInt = Field(default=50, ge=0)
     """Steps before the detector may fire."""
-    patience: int = Field(default=5, ge=1)
+    patience: StrictInt = Field(default=5, ge=1)
     """Consecutive anomalous steps needed to fire."""
 
 
@@ -135,7 +135,7 @@ class Detectors(Section):
     """Stagnation."""
     oscillation: OscillationDetector = Field(default_factory=OscillationDetector)
     """Oscillation / noise."""
-    max_skipped_steps: int = Field(default=5, ge=1)
+    max_skipped_steps: StrictInt = Field(default=5, ge=1)
     """skip_step escalates to rollback when more than this many steps were skipped ..."""
-    skip_window: int = Field(default=50, ge=1)
+    skip_window: StrictInt = Field(default=50, ge=1)
     """... within this many steps."""

@@ -4,17 +4,17 @@ from __future__ import annotations
 
 from typing import Annotated, Literal
 
-from pydantic import Field
+from pydantic import Field, StrictFloat, StrictInt
 
 from contracts.recipe.base import Section
 
 
 class _Fault(Section):
-    step: int = Field(ge=0)
+    step: StrictInt = Field(ge=0)
     """Step at which the fault fires."""
-    attempt: int = Field(default=1, ge=1)
+    attempt: StrictInt = Field(default=1, ge=1)
     """The only attempt in which the fault fires."""
-    rank: int | None = Field(default=None, ge=0)
+    rank: StrictInt | None = Field(default=None, ge=0)
     """Rank that fires the fault (None: every rank)."""
 
 
@@ -28,7 +28,7 @@ class GradScaleFault(_Fault):
     """Multiply every gradient by factor after backward."""
 
     type: Literal["grad_scale"] = "grad_scale"
-    factor: float = Field(default=1e4, gt=0.0)
+    factor: StrictFloat = Field(default=1e4, gt=0.0)
     """Gradient multiplier."""
 
 
@@ -36,7 +36,7 @@ class BatchScaleFault(_Fault):
     """Multiply the inputs (float data) or targets (token data: loss) of one batch by factor."""
 
     type: Literal["batch_scale"] = "batch_scale"
-    factor: float = Field(default=1e3, gt=0.0)
+    factor: StrictFloat = Field(default=1e3, gt=0.0)
     """Batch multiplier."""
 
 

@@ -98,6 +98,22 @@ def _document_loc(loc: tuple[Any, ...]) -> tuple[Any, ...]:
     return tuple(out)
 
 
+_STRICT_TYPE_ERRORS = frozenset({"int_type", "bool_type", "float_type", "string_type"})
+_TYPE_NAMES = {bool: "a boolean", int: "an integer", float: "a number", str: "a string", list: "a list",
+               dict: "a mapping", type(None): "null"}
+
+
+def _describe(value: Any) -> str:
+    """What a value of the wrong type was, for the error line: ``a string ('5')``, ``a boolean (true)``."""
+    name = _TYPE_NAMES.get(type(value), type(value).__name__)
+    if isinstance(value, bool):
+        return f"{name} ({str(value).lower()})"
+    if isinstance(value, int | float | str):
+        shown = repr(value) if len(repr(value)) <= 40 else repr(value)[:37] + "..."
+        return f"{name} ({shown})"
+    return name
+
+
 def _errors_from_validation(exc: ValidationError, root: Any) -> list[FieldError]:
     out: list[FieldError] = []
     for err in exc.errors(include_url=False):
@@ -115,6 +131,8 @@ def _errors_from_validation(exc: ValidationError, root: Any) -> list[FieldError]
         path = ".".join(str(p) for p in loc) or "<recipe>"
         if err["type"] == "extra_forbidden":
             msg = "unknown field"
+        elif err["type"] in _STRICT_TYPE_ERRORS:
+            msg += f", got {_describe(err.get('input'))}"
         out.append(FieldError(path, msg, _line_of(root, loc) if root is not None else None))
     return out
 
@@ -142,6 +160,8 @@ def parse_yaml(text: str | bytes, *, max_bytes: int = DEFAULT_MAX_RECIPE_BYTES) 
         raise RecipeError([FieldError("<document>", f"invalid YAML: {exc.problem}", line)]) from None
     except yaml.YAMLError as exc:
         raise RecipeError([FieldError("<document>", f"invalid YAML: {exc}")]) from None
+    except ValueError as exc:  # e.g. an integer over Python's 4300-digit conversion limit
+        raise RecipeError([FieldError("<document>", f"invalid number: {exc}")]) from None
     return data, root
 
 
@@ -156,9 +176,34 @@ def load_recipe(
     return _validate(data, root, allowed_import_modules, "a recipe must be a YAML mapping")
 
 
+INT_LIMIT = 2**63 - 1
+"""Every integer in a recipe must fit in 64 bits (seeds go to torch, steps to SQL BIGINT)."""
+
+
+def _out_of_range(node: Any, loc: tuple[Any, ...] = ()) -> list[tuple[Any, ...]]:
+    """Locations of integers that do not fit in 64 bits, anywhere in the document."""
+    if isinstance(node, bool):
+        return []
+    if isinstance(node, int):
+        return [loc] if abs(node) > INT_LIMIT else []
+    if isinstance(node, dict):
+        return [bad for k, v in node.items() for bad in _out_of_range(v, (*loc, k))]
+    if isinstance(node, list):
+        return [bad for i, v in enumerate(node) for bad in _out_of_range(v, (*loc, i))]
+    return []
+
+
 def _validate(data: Any, root: Any, allowed_import_modules: list[str] | None, not_a_mapping: str) -> Recipe:
     if not isinstance(data, dict):
         raise RecipeError([FieldError("<recipe>", not_a_mapping)])
+    oversized = _out_of_range(data)
+    if oversized:
+        raise RecipeError([
+            FieldError(".".join(str(p) for p in loc) or "<recipe>",
+                       f"integer out of range: must fit in 64 bits (|x| <= {INT_LIMIT})",
+                       _line_of(root, loc) if root is not None else None)
+            for loc in oversized
+        ])
     try:
         return Recipe.model_validate(data, context={"allowed_import_modules": allowed_import_modules or []})
     except ValidationError as exc:

@@ -5,7 +5,7 @@ from __future__ import annotations
 from enum import StrEnum
 from typing import Annotated, Any, Literal
 
-from pydantic import Discriminator, Field, Tag, model_validator
+from pydantic import Discriminator, Field, StrictBool, StrictFloat, StrictInt, Tag, model_validator
 
 from contracts.recipe.base import Section, name_tag
 from contracts.recipe.imports import ImportString
@@ -20,21 +20,21 @@ class TinyGPTModel(Section):
     """A small causal transformer: the standard subject of instability studies."""
 
     name: Literal["tiny_gpt"] = "tiny_gpt"
-    vocab_size: int = Field(default=64, ge=2, le=65536)
+    vocab_size: StrictInt = Field(default=64, ge=2, le=65536)
     """Vocabulary size; must match the data's vocabulary."""
-    context: int = Field(default=32, ge=2, le=8192)
+    context: StrictInt = Field(default=32, ge=2, le=8192)
     """Maximum sequence length."""
-    n_layers: int = Field(default=2, ge=1, le=128)
+    n_layers: StrictInt = Field(default=2, ge=1, le=128)
     """Number of transformer blocks."""
-    n_heads: int = Field(default=2, ge=1, le=128)
+    n_heads: StrictInt = Field(default=2, ge=1, le=128)
     """Attention heads per block; must divide d_model."""
-    d_model: int = Field(default=64, ge=4, le=16384)
+    d_model: StrictInt = Field(default=64, ge=4, le=16384)
     """Residual stream width."""
-    qk_layernorm: bool = False
+    qk_layernorm: StrictBool = False
     """LayerNorm on queries and keys (stabilises attention logits)."""
-    z_loss: float = Field(default=0.0, ge=0.0, le=1.0)
+    z_loss: StrictFloat = Field(default=0.0, ge=0.0, le=1.0)
     """Coefficient of the z-loss on the output logits' log-partition (0 = off)."""
-    init_std: float = Field(default=0.02, gt=0.0, le=10.0)
+    init_std: StrictFloat = Field(default=0.02, gt=0.0, le=10.0)
     """Standard deviation of the normal weight initialisation."""
     norm_position: NormPosition = NormPosition.pre
     """Pre-LN (stable) or post-LN (the original, less stable) blocks."""
@@ -57,15 +57,15 @@ class DeepMLPModel(Section):
     """A deep multilayer perceptron: for vanishing and exploding gradients with depth."""
 
     name: Literal["deep_mlp"] = "deep_mlp"
-    depth: int = Field(default=8, ge=1, le=512)
+    depth: StrictInt = Field(default=8, ge=1, le=512)
     """Number of hidden layers."""
-    width: int = Field(default=64, ge=1, le=16384)
+    width: StrictInt = Field(default=64, ge=1, le=16384)
     """Hidden width."""
     activation: Activation = Activation.relu
     """Nonlinearity between layers."""
-    residual: bool = True
+    residual: StrictBool = True
     """Residual connections around each hidden layer."""
-    init_scale: float = Field(default=1.0, gt=0.0, le=100.0)
+    init_scale: StrictFloat = Field(default=1.0, gt=0.0, le=100.0)
     """Multiplier on the fan-in (Kaiming-style) initialisation; <1 shrinks, >1 grows signals with depth."""
 
 
@@ -81,9 +81,9 @@ class RecurrentModel(Section):
     name: Literal["rnn"] = "rnn"
     cell: RecurrentCell = RecurrentCell.rnn
     """Recurrent cell type (a plain tanh RNN is the easiest to blow up)."""
-    hidden: int = Field(default=64, ge=1, le=8192)
+    hidden: StrictInt = Field(default=64, ge=1, le=8192)
     """Hidden state size."""
-    layers: int = Field(default=1, ge=1, le=16)
+    layers: StrictInt = Field(default=1, ge=1, le=16)
     """Stacked recurrent layers."""
 
 
@@ -91,7 +91,7 @@ class LinearModel(Section):
     """Linear regression: the smallest model that diverges from optimizer settings alone."""
 
     name: Literal["linear"] = "linear"
-    bias: bool = True
+    bias: StrictBool = True
     """Learn an intercept."""
 
 

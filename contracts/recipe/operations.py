@@ -4,22 +4,22 @@ from __future__ import annotations
 
 from enum import StrEnum
 
-from pydantic import Field
+from pydantic import Field, StrictBool, StrictFloat, StrictInt
 
 from contracts.recipe.base import Section
 
 
 class Telemetry(Section):
-    layer_stats_every: int = Field(default=10, ge=0)
+    layer_stats_every: StrictInt = Field(default=10, ge=0)
     """Per-layer gradient norms and update-to-weight ratio every N steps (0 = never)."""
 
 
 class Checkpoint(Section):
-    every_steps: int = Field(default=50, ge=1)
+    every_steps: StrictInt = Field(default=50, ge=1)
     """Save a checkpoint every N steps (and at the end)."""
-    keep: int = Field(default=3, ge=1, le=1000)
+    keep: StrictInt = Field(default=3, ge=1, le=1000)
     """Checkpoints retained (newest first) ..."""
-    keep_healthy: bool = True
+    keep_healthy: StrictBool = True
     """... plus, always, the newest healthy one."""
 
 
@@ -39,44 +39,44 @@ class Recovery(Section):
     strategy: RecoveryStrategy = RecoveryStrategy.ballast
     """ballast: roll back to a healthy checkpoint and tighten; restart_latest: resume the newest checkpoint with
     the same settings (what Ray Train's FailureConfig and torchrun do; a baseline for benchmarks)."""
-    max_retries: int = Field(default=3, ge=0, le=100)
+    max_retries: StrictInt = Field(default=3, ge=0, le=100)
     """Retries after numeric divergence before the run fails."""
-    max_crash_restarts: int = Field(default=3, ge=0, le=100)
+    max_crash_restarts: StrictInt = Field(default=3, ge=0, le=100)
     """Restarts after crashes (worker died, OOM, exception), counted separately."""
-    rollback_margin_steps: int = Field(default=0, ge=0)
+    rollback_margin_steps: StrictInt = Field(default=0, ge=0)
     """Resume from a healthy checkpoint at least this many steps before the onset."""
-    lr_factor: float = Field(default=0.5, gt=0.0, lt=1.0)
+    lr_factor: StrictFloat = Field(default=0.5, gt=0.0, lt=1.0)
     """Multiply the learning rate by this on each numeric retry."""
-    clip_factor: float = Field(default=0.5, gt=0.0, lt=1.0)
+    clip_factor: StrictFloat = Field(default=0.5, gt=0.0, lt=1.0)
     """Multiply the clip threshold by this on each numeric retry."""
-    clip_to_median_multiple: float | None = Field(default=None, gt=0.0)
+    clip_to_median_multiple: StrictFloat | None = Field(default=None, gt=0.0)
     """Instead of clip_factor, set the clip threshold to this multiple of the median healthy grad norm."""
     tighten_order: TightenOrder = TightenOrder.auto
     """auto: LR first for Adam-family optimizers, clipping first for SGD; or lr_first, clip_first, both."""
-    rewarm_steps: int = Field(default=20, ge=0)
+    rewarm_steps: StrictInt = Field(default=20, ge=0)
     """Re-warm the LR linearly over this many steps after a rollback."""
-    skip_data_window: bool = False
+    skip_data_window: StrictBool = False
     """Skip the data between the resumed checkpoint and the onset step."""
-    min_lr: float = Field(default=1e-6, gt=0.0)
+    min_lr: StrictFloat = Field(default=1e-6, gt=0.0)
     """Floor for the tightened learning rate."""
-    min_clip: float = Field(default=0.01, gt=0.0)
+    min_clip: StrictFloat = Field(default=0.01, gt=0.0)
     """Floor for the tightened clip threshold."""
-    fp16_to_bf16: bool = True
+    fp16_to_bf16: StrictBool = True
     """Switch fp16 to bf16 when the loss scale collapsed."""
-    early_failure_steps: int = Field(default=20, ge=0)
+    early_failure_steps: StrictInt = Field(default=20, ge=0)
     """A retry that fails within this many steps of its start resumes further back next time."""
-    in_place: bool = True
+    in_place: StrictBool = True
     """Apply numeric rollbacks inside the running worker group instead of restarting it."""
 
 
 class Resources(Section):
-    num_workers: int = Field(default=1, ge=1, le=4096)
+    num_workers: StrictInt = Field(default=1, ge=1, le=4096)
     """Ray Train workers (data-parallel ranks)."""
-    use_gpu: bool = False
+    use_gpu: StrictBool = False
     """Place workers on GPUs (NCCL); CPU workers use gloo."""
-    cpus_per_worker: float = Field(default=1.0, gt=0.0, le=512)
+    cpus_per_worker: StrictFloat = Field(default=1.0, gt=0.0, le=512)
     """CPUs reserved per worker."""
-    gpus_per_worker: float = Field(default=0.0, ge=0.0, le=16)
+    gpus_per_worker: StrictFloat = Field(default=0.0, ge=0.0, le=16)
     """GPUs reserved per worker (when use_gpu)."""
 
 
@@ -90,11 +90,11 @@ class Compression(StrEnum):
 class Distributed(Section):
     compression: Compression = Compression.none
     """DDP gradient compression comm hook (bf16 needs NCCL)."""
-    powersgd_rank: int = Field(default=2, ge=1, le=1024)
+    powersgd_rank: StrictInt = Field(default=2, ge=1, le=1024)
     """PowerSGD matrix approximation rank."""
-    powersgd_start_iter: int = Field(default=10, ge=1)
+    powersgd_start_iter: StrictInt = Field(default=10, ge=1)
     """PowerSGD: steps of vanilla allreduce before compression starts."""
-    activation_checkpointing: bool = False
+    activation_checkpointing: StrictBool = False
     """Recompute tiny_gpt block activations in the backward pass."""
-    freeze_first_n_blocks: int = Field(default=0, ge=0)
+    freeze_first_n_blocks: StrictInt = Field(default=0, ge=0)
     """Freeze the first N blocks (tiny_gpt blocks, deep_mlp layers)."""

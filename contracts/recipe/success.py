@@ -2,24 +2,24 @@
 
 from __future__ import annotations
 
-from pydantic import Field
+from pydantic import Field, StrictFloat, StrictInt
 
 from contracts.recipe.base import Section
 
 
 class Success(Section):
-    window: int = Field(default=20, ge=1, le=10_000)
+    window: StrictInt = Field(default=20, ge=1, le=10_000)
     """The final loss is the mean of the last this-many finite per-step losses of the attempt."""
-    regression_tolerance: float = Field(default=0.1, ge=0.0, le=10.0)
+    regression_tolerance: StrictFloat = Field(default=0.1, ge=0.0, le=10.0)
     """No regression: the final loss may be at most this fraction above the best smoothed loss the lineage
     reached (a run that learned, then drifted back up, is degraded and is rolled back to its best checkpoint)."""
-    min_progress: float = Field(default=0.25, ge=0.0, le=1.0)
+    min_progress: StrictFloat = Field(default=0.25, ge=0.0, le=1.0)
     """Real progress: the final loss must have covered this fraction of the way from the clean initial loss down
     to the data's known loss floor (down to 0 when the floor is unknown)."""
-    early_check_fraction: float = Field(default=0.25, gt=0.0, le=1.0)
+    early_check_fraction: StrictFloat = Field(default=0.25, gt=0.0, le=1.0)
     """At this fraction of training.max_steps (and not before 3x the warmup), a run that has covered less than
     early_min_progress of that way has never learned: it is stopped then instead of at the end."""
-    early_min_progress: float = Field(default=0.05, ge=0.0, le=1.0)
+    early_min_progress: StrictFloat = Field(default=0.05, ge=0.0, le=1.0)
     """Fraction of the way to the floor the smoothed loss must have covered by the early check."""
-    max_final_loss: float | None = Field(default=None)
+    max_final_loss: StrictFloat | None = Field(default=None)
     """Your own bar: the final loss must be at most this (None: no bar)."""

@@ -5,23 +5,23 @@ from __future__ import annotations
 from enum import StrEnum
 from typing import Any
 
-from pydantic import Field, field_validator, model_validator
+from pydantic import Field, StrictBool, StrictFloat, StrictInt, field_validator, model_validator
 
 from contracts.recipe.base import Section
 
 
 class Training(Section):
-    max_steps: int = Field(default=200, ge=1, le=10_000_000)
+    max_steps: StrictInt = Field(default=200, ge=1, le=10_000_000)
     """Optimizer steps to train for."""
-    batch_size: int = Field(default=16, ge=1, le=1_000_000)
+    batch_size: StrictInt = Field(default=16, ge=1, le=1_000_000)
     """Micro-batch size per worker."""
-    grad_accum_steps: int = Field(default=1, ge=1, le=4096)
+    grad_accum_steps: StrictInt = Field(default=1, ge=1, le=4096)
     """Micro-batches accumulated per optimizer step."""
-    seed: int = Field(default=0, ge=0)
+    seed: StrictInt = Field(default=0, ge=0)
     """Seed for initialisation and the data stream."""
-    eval_interval: int = Field(default=0, ge=0)
+    eval_interval: StrictInt = Field(default=0, ge=0)
     """Evaluate on held-out batches every N steps (0 = never)."""
-    deterministic: bool = False
+    deterministic: StrictBool = False
     """Use deterministic algorithms (for resume-equivalence checks; slower)."""
 
 
@@ -34,17 +34,17 @@ class OptimizerName(StrEnum):
 class Optimizer(Section):
     name: OptimizerName = OptimizerName.adamw
     """Optimizer family."""
-    lr: float = Field(default=1e-3, gt=0.0, le=100.0)
+    lr: StrictFloat = Field(default=1e-3, gt=0.0, le=100.0)
     """Peak learning rate."""
-    betas: tuple[float, float] = (0.9, 0.95)
+    betas: tuple[StrictFloat, StrictFloat] = (0.9, 0.95)
     """Adam betas (beta1, beta2), each in [0, 1)."""
-    eps: float = Field(default=1e-8, gt=0.0, le=1.0)
+    eps: StrictFloat = Field(default=1e-8, gt=0.0, le=1.0)
     """Adam epsilon."""
-    weight_decay: float = Field(default=0.0, ge=0.0, le=10.0)
+    weight_decay: StrictFloat = Field(default=0.0, ge=0.0, le=10.0)
     """Decoupled (AdamW) or L2 (Adam, SGD) weight decay."""
-    momentum: float = Field(default=0.9, ge=0.0, lt=1.0)
+    momentum: StrictFloat = Field(default=0.9, ge=0.0, lt=1.0)
     """SGD momentum."""
-    nesterov: bool = False
+    nesterov: StrictBool = False
     """SGD Nesterov momentum."""
 
     @field_validator("betas")
@@ -82,13 +82,13 @@ SCHEDULE_PRESETS: dict[str, dict[str, Any]] = {
 class Schedule(Section):
     preset: SchedulePreset | None = None
     """Named defaults (pretrain, sft, rlhf) for the fields left unset."""
-    warmup_steps: int | None = Field(default=None, ge=0)
+    warmup_steps: StrictInt | None = Field(default=None, ge=0)
     """Linear warmup length in steps (exclusive with warmup_fraction)."""
-    warmup_fraction: float | None = Field(default=None, ge=0.0, lt=1.0)
+    warmup_fraction: StrictFloat | None = Field(default=None, ge=0.0, lt=1.0)
     """Linear warmup length as a fraction of training.max_steps."""
     decay: Decay = Decay.cosine
     """Shape of the decay after warmup."""
-    min_lr_ratio: float = Field(default=0.1, ge=0.0, le=1.0)
+    min_lr_ratio: StrictFloat = Field(default=0.1, ge=0.0, le=1.0)
     """Final LR as a fraction of the peak."""
 
     @model_validator(mode="before")
@@ -132,15 +132,15 @@ class Precision(Section):
     """Autocast compute dtype (master weights stay fp32)."""
     loss_scaling: LossScaling = LossScaling.dynamic
     """Loss scaling mode; used only with fp16."""
-    init_scale: float = Field(default=2.0**16, gt=0.0, le=2.0**32)
+    init_scale: StrictFloat = Field(default=2.0**16, gt=0.0, le=2.0**32)
     """Initial dynamic loss scale."""
-    growth_factor: float = Field(default=2.0, gt=1.0, le=100.0)
+    growth_factor: StrictFloat = Field(default=2.0, gt=1.0, le=100.0)
     """Scale multiplier after growth_interval overflow-free steps."""
-    backoff_factor: float = Field(default=0.5, gt=0.0, lt=1.0)
+    backoff_factor: StrictFloat = Field(default=0.5, gt=0.0, lt=1.0)
     """Scale multiplier on an overflow step."""
-    growth_interval: int = Field(default=2000, ge=1)
+    growth_interval: StrictInt = Field(default=2000, ge=1)
     """Overflow-free steps before the scale grows."""
-    static_scale: float = Field(default=1024.0, gt=0.0, le=2.0**32)
+    static_scale: StrictFloat = Field(default=1024.0, gt=0.0, le=2.0**32)
     """The fixed scale used when loss_scaling is static."""
 
 
@@ -155,15 +155,15 @@ class ClipMethod(StrEnum):
 class Clipping(Section):
     method: ClipMethod = ClipMethod.global_norm
     """none, global_norm, per_layer (each parameter tensor to max_norm), adaptive (AGC), zscore (EMA)."""
-    max_norm: float = Field(default=1.0, gt=0.0, le=1e6)
+    max_norm: StrictFloat = Field(default=1.0, gt=0.0, le=1e6)
     """Norm threshold for global_norm and per_layer; the ceiling for zscore."""
-    agc_lambda: float = Field(default=0.01, gt=0.0, le=10.0)
+    agc_lambda: StrictFloat = Field(default=0.01, gt=0.0, le=10.0)
     """AGC: largest allowed unit-wise ratio of gradient norm to weight norm."""
-    agc_eps: float = Field(default=1e-3, gt=0.0, le=1.0)
+    agc_eps: StrictFloat = Field(default=1e-3, gt=0.0, le=1.0)
     """AGC: floor on the weight norm, so zero-initialised units can still move."""
-    zscore_alpha: float = Field(default=0.02, gt=0.0, lt=1.0)
+    zscore_alpha: StrictFloat = Field(default=0.02, gt=0.0, lt=1.0)
     """Z-score clipping: EMA coefficient of the grad-norm mean and variance."""
-    zscore_threshold: float = Field(default=3.0, gt=0.0, le=100.0)
+    zscore_threshold: StrictFloat = Field(default=3.0, gt=0.0, le=100.0)
     """Z-score clipping: norms above mean + z * std are clipped to that bound."""
-    zscore_warmup: int = Field(default=20, ge=0)
+    zscore_warmup: StrictInt = Field(default=20, ge=0)
     """Z-score clipping: steps of plain global-norm clipping while the EMA settles."""

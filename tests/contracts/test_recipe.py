@@ -248,7 +248,13 @@ def test_duplicate_keys_are_refused(tmp_path: Path, text: str, expected: str) ->
     ("text", "field", "fragment", "line"),
     [
         ("name: t\ntraining:\n  max_steps: many\n", "training.max_steps", "valid integer", 3),
-        ("name: t\ntraining:\n  max_steps: 10.5\n", "training.max_steps", "fractional part", 3),
+        ("name: t\ntraining:\n  max_steps: 10.5\n", "training.max_steps", "valid integer", 3),
+        # strict types: a recipe is a contract; true is not 1 and '5' is not 5
+        ("name: t\ntraining:\n  max_steps: true\n", "training.max_steps", "integer, got a boolean (true)", 3),
+        ("name: t\ntraining:\n  max_steps: '5'\n", "training.max_steps", "integer, got a string ('5')", 3),
+        ("name: t\nfaults:\n  - {type: nan_loss, step: 1, rank: false}\n", "faults.0.rank", "valid integer", 3),
+        ("name: t\ntraining:\n  deterministic: 1\n", "training.deterministic", "valid boolean", 3),
+        ("name: t\noptimizer:\n  lr: '0.1'\n", "optimizer.lr", "valid number", 3),
         ("name: t\nresources:\n  use_gpu: [1]\n", "resources.use_gpu", "valid boolean", 3),
         ("name: 123\n", "name", "valid string", 1),
         ("name: t\noptimizer:\n  betas: fast\n", "optimizer.betas", "valid tuple", 3),
@@ -259,7 +265,8 @@ def test_duplicate_keys_are_refused(tmp_path: Path, text: str, expected: str) ->
         ("name: t\noptimizer:\n  betas: [0.9, 1.5]\n", "optimizer.betas", "betas[1] must be in [0, 1)", 3),
         ("name: Not_Lowercase\n", "name", "pattern", 1),
     ],
-    ids=["int-word", "int-fraction", "bool-list", "str-int", "tuple-str", "section-scalar", "unknown-model",
+    ids=["int-word", "int-fraction", "int-bool", "int-str", "rank-bool", "bool-int", "float-str", "bool-list",
+         "str-int", "tuple-str", "section-scalar", "unknown-model",
          "unknown-optimizer", "api-version", "betas-range", "name-pattern"],
 )
 def test_wrong_types_name_the_field_and_line(
@@ -302,8 +309,8 @@ def test_every_error_gets_its_own_line_and_json_output(tmp_path: Path) -> None:
     result = cli("recipe", "validate", str(path))
     assert result.exit_code == 2
     assert result.stderr.strip().splitlines() == [
-        f"{path}: training.max_steps: Input should be a valid integer, unable to parse string as an integer (line 3)",
-        f"{path}: resources.use_gpu: Input should be a valid boolean (line 5)",
+        f"{path}: training.max_steps: Input should be a valid integer, got a string ('many') (line 3)",
+        f"{path}: resources.use_gpu: Input should be a valid boolean, got a list (line 5)",
         f"{path}: resources.gpus: unknown field (line 6)",
     ]
     result = cli("recipe", "validate", "--json", str(path))
@@ -699,3 +706,25 @@ def test_python_tags_are_refused(tmp_path: Path) -> None:
     msg = one_error_line(cli("recipe", "validate", str(path)), path)
     assert msg.startswith("<document>: invalid YAML: could not determine a constructor")
     assert msg.endswith("(line 2)")
+
+
+@pytest.mark.parametrize(
+    ("text", "field"),
+    [
+        ("name: t\ntraining:\n  seed: 1000000000000000000000000000000\n", "training.seed: integer out of range"),
+        ("name: t\ntraining:\n  seed: " + "9" * 5000 + "\n", "<document>: invalid number"),
+        ("name: t\nfaults:\n  - {type: nan_loss, step: -99999999999999999999}\n",
+         "faults.0.step: integer out of range"),
+    ],
+    ids=["seed-1e30", "5000-digits", "negative-huge"],
+)
+def test_integers_that_do_not_fit_in_64_bits_are_refused_at_parse_time(text: str, field: str) -> None:
+    with pytest.raises(RecipeError) as err:
+        load_recipe(text)
+    assert str(err.value).startswith(field)
+
+
+def test_validate_recipe_data_refuses_oversized_integers_too() -> None:
+    with pytest.raises(RecipeError, match=r"training\.seed: integer out of range"):
+        validate_recipe_data({"name": "t", "training": {"seed": 2**64}})
+    assert validate_recipe_data({"name": "t", "training": {"seed": 2**63 - 1}}).training.seed == 2**63 - 1
