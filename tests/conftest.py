@@ -16,11 +16,17 @@ from typing import Any
 
 import pytest
 import sqlalchemy as sa
+from hypothesis import settings as hypothesis_settings
 from sqlalchemy.orm import Session, sessionmaker
 
 import migrations
 from orchestrator.store.db import make_engine, make_session_factory
 from orchestrator.store.models import Base
+
+# Every property test is deterministic: the same examples on every run and machine (a flaky test is a bug), and no
+# example database carried between runs. Tests may raise max_examples or lift health checks; they inherit this.
+hypothesis_settings.register_profile("ballast", derandomize=True, database=None, deadline=None)
+hypothesis_settings.load_profile("ballast")
 
 PG_ADMIN_URL = os.environ.get("BALLAST_TEST_PG_URL", "postgresql+psycopg://postgres@127.0.0.1:5432/postgres")
 _BACKENDS = os.environ.get("BALLAST_TEST_BACKENDS", "sqlite,postgresql").split(",")
