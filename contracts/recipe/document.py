@@ -23,6 +23,9 @@ class CrossFieldErrors(ValueError):
         self.errors = errors
         super().__init__("; ".join(f"{path}: {msg}" for path, msg in errors))
 
+    def __reduce__(self) -> tuple[Any, ...]:  # picklable across Ray's process boundary
+        return (type(self), (self.errors,))
+
 
 class Recipe(Section):
     """A Ballast stability recipe (``apiVersion: ballast/v1``, ``kind: StabilityRecipe``)."""

@@ -34,6 +34,9 @@ class RecipeError(ValueError):
         self.errors = errors
         super().__init__("; ".join(str(e) for e in errors))
 
+    def __reduce__(self) -> tuple[Any, ...]:  # picklable across Ray's process boundary
+        return (type(self), (self.errors,))
+
 
 class _NoAliasLoader(yaml.SafeLoader):
     """Safe loader that refuses aliases (no billion-laughs) and duplicate keys."""
