@@ -112,7 +112,7 @@ def plain(doc: dict[str, Any], home: Path) -> float:
 
     from contracts.wire import AttemptSpec
     from workers.engine import run_attempt
-    from workers.events import ListSink
+    from workers.sinks import ListSink
 
     class StampingSink(ListSink):
         def emit(self, type: str, data: dict[str, Any]) -> None:

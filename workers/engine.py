@@ -29,7 +29,7 @@ import time
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
 import numpy as np
 import torch
@@ -51,19 +51,15 @@ from workers.checkpoint import load_checkpoint, rng_state, save_checkpoint, set_
 from workers.clipping import Clipper, global_norm, grad_norms, param_snapshot
 from workers.data import DataSource, build_data
 from workers.detectors import Decision, DetectorSuite, Finding, StepSignals, diagnose_depth
-from workers.events import EventSink
 from workers.faults import FaultInjector
 from workers.models import build_model, freeze_first_n_blocks, param_block_index, set_activation_checkpointing
 from workers.precision import LossScaler, autocast
 from workers.schedule import lr_at
+from workers.sinks import EventSink
 
 
 class EngineConfigError(ValueError):
     """A recipe setting this engine or backend cannot run; the message starts with the field path."""
-
-
-class PlanningSink(EventSink, Protocol):
-    def request_plan(self, end_data: dict[str, Any]) -> dict[str, Any] | None: ...
 
 
 # ------------------------------------------------------------------------------------ process context

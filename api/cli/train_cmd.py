@@ -27,7 +27,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from api.cli.app import app
 from contracts.recipe import Recipe, RecipeError, load_recipe
 from orchestrator.settings import get_settings
-from workers.events import ListSink
+from workers.sinks import ListSink
 
 EXIT_CODES = {"succeeded": 0, "diverged": 1, "cancelled": 130}
 EXIT_CRASHED = 3

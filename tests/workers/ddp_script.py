@@ -19,7 +19,7 @@ import torch.multiprocessing as mp
 from contracts.recipe import Recipe
 from contracts.wire import AttemptSpec
 from workers.engine import run_attempt
-from workers.events import ListSink
+from workers.sinks import ListSink
 
 
 class PlanningSink(ListSink):

@@ -17,8 +17,8 @@ from contracts.recipe import Recipe
 from contracts.wire import AttemptOutcome, AttemptSpec
 from workers.checkpoint import load_checkpoint
 from workers.engine import EngineConfigError, GuardedTrainer, WorkerContext, run_attempt
-from workers.events import ListSink
 from workers.faults import InjectedCrash
+from workers.sinks import ListSink
 
 GOLDEN = Path(__file__).parent / "golden" / "resume_fp32_tiny_gpt.json"
 
