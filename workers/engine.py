@@ -26,7 +26,7 @@ import shutil
 import statistics
 import tempfile
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -48,7 +48,16 @@ from contracts.recipe import (
 )
 from contracts.wire import AttemptOutcome, AttemptSpec, SavedCheckpoint, finite_or_none
 from workers.checkpoint import load_checkpoint, rng_state, save_checkpoint, set_rng_state
-from workers.clipping import Clipper, global_norm, grad_norms, param_snapshot
+from workers.clipping import (
+    Clipper,
+    block_grad_norms,
+    block_members,
+    global_norm,
+    grad_norms,
+    param_snapshot,
+    per_layer_norms,
+    update_ratio,
+)
 from workers.data import DataSource, build_data
 from workers.detectors import Decision, DetectorSuite, Finding, StepSignals, diagnose_depth
 from workers.faults import FaultInjector
@@ -269,12 +278,7 @@ class GuardedTrainer:
             owner = param_block_index(self.module)
         except ValueError:
             return []
-        n_blocks = max(owner.values(), default=-1) + 1
-        members: list[list[int]] = [[] for _ in range(n_blocks)]
-        for i, (name, _) in enumerate(self.named_params):
-            if name in owner:
-                members[owner[name]].append(i)
-        return [torch.tensor(m, dtype=torch.long, device=self.device) for m in members]
+        return block_members([n for n, _ in self.named_params], owner, self.device)
 
     def _prime_ddp_buckets(self) -> None:
         """One zero-loss forward/backward before PowerSGD's state is restored.
@@ -371,7 +375,7 @@ class GuardedTrainer:
         norms = grad_norms(self.params)
         pre = global_norm(norms).to(self.device)
         layer_step = self._is_layer_step(step)
-        block_norms = self._block_norms(norms) if layer_step else None
+        block_norms = block_grad_norms(norms.to(self.device), self._block_members) if layer_step else None
         post = self.clipper.clip(norms)
 
         # 3. one gather of the step's signals across ranks: the only host sync of an ordinary step
@@ -405,7 +409,7 @@ class GuardedTrainer:
             self.scaler.update(signals.overflow or not signals.finite)
         self.optimizer.zero_grad(set_to_none=True)
         if snapshot is not None:
-            self._pending_update_ratio = self._update_ratio(snapshot)
+            self._pending_update_ratio = update_ratio(snapshot, self.params).to(self.device)
 
         # 5. telemetry (rank 0 only)
         self._record(step, signals, decision, apply, lr, post_norm, norms if layer_step else None)
@@ -426,20 +430,6 @@ class GuardedTrainer:
         """The step before a layer-stats step: its update is the one that step's update ratio measures."""
         k = self.recipe.telemetry.layer_stats_every
         return k > 0 and (step + 1) % k == 0
-
-    def _block_norms(self, norms: Tensor) -> Tensor:
-        if not self._block_members:
-            return torch.zeros(0, device=self.device)
-        sq = norms.to(self.device).float() ** 2
-        zero = torch.zeros((), device=self.device)
-        return torch.stack([sq[idx].sum() if idx.numel() else zero for idx in self._block_members]).sqrt()
-
-    def _update_ratio(self, before: Sequence[Tensor]) -> Tensor:
-        after = [p.detach() for p in self.params]
-        diffs = torch._foreach_sub(after, list(before))
-        num = global_norm(torch.stack(torch._foreach_norm(diffs)).float())
-        den = global_norm(torch.stack(torch._foreach_norm(after)).float())
-        return (num / den.clamp_min(1e-12)).to(self.device)
 
     def _signals(self, step: int, rows: list[list[float]], layer_step: bool) -> StepSignals:
         """The same StepSignals on every rank: mean loss, worst grad norm, all-ranks finite flags."""
@@ -501,7 +491,7 @@ class GuardedTrainer:
         })
         if layer_norms is not None:
             names = [n for n, _ in self.named_params]
-            per_layer = {n: finite_or_none(float(v)) for n, v in zip(names, layer_norms.tolist(), strict=True)}
+            per_layer = {n: finite_or_none(v) for n, v in per_layer_norms(names, layer_norms).items()}
             threshold = self.recipe.detectors.vanishing.depth_slope_threshold
             self.sink.emit("layer_stats", {
                 "step": step,
