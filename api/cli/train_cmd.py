@@ -159,7 +159,7 @@ def train(
     from contracts.checkpoint import CorruptCheckpoint
     from contracts.wire import AttemptSpec
     from workers.data import SpecError
-    from workers.engine import EngineConfigError
+    from workers.entry import EngineConfigError
     from workers.faults import InjectedCrash
 
     recipe = _load(recipe_file, steps, workers)
@@ -184,7 +184,7 @@ def train(
                 if recipe.resources.num_workers > 1:
                     result = _train_ray(spec, sink)
                 else:
-                    from workers.engine import run_attempt
+                    from workers.entry import run_attempt
 
                     result = run_attempt(spec, sink).to_dict()
             finally:

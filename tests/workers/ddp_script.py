@@ -18,7 +18,7 @@ import torch.multiprocessing as mp
 
 from contracts.recipe import Recipe
 from contracts.wire import AttemptSpec
-from workers.engine import run_attempt
+from workers.entry import run_attempt
 from workers.sinks import ListSink
 
 
