@@ -27,9 +27,10 @@ import torch
 
 from contracts.recipe import Recipe
 from contracts.wire import AttemptSpec
+from workers.context import WorkerContext
 from workers.data import build_data
-from workers.engine import GuardedTrainer, WorkerContext
 from workers.models import build_model
+from workers.trainer import GuardedTrainer
 
 
 class NullSink:

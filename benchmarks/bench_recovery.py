@@ -6,7 +6,7 @@
    attempt) and once with a full worker-group restart (``recovery.in_place: false``): a new ``TorchTrainer``,
    placement group, worker processes, process group.
 2. Steps/s of the same recipe through the service (Ray Train worker, events through the channel actor into the
-   store) vs ``workers.engine.run_attempt`` in a plain process with a list sink, both on one CPU thread (a Ray
+   store) vs ``workers.entry.run_attempt`` in a plain process with a list sink, both on one CPU thread (a Ray
    worker with ``num_cpus=1`` runs torch single-threaded). Start-up is excluded from the rate: from the first
    to the last step's event.
 
@@ -111,8 +111,8 @@ def plain(doc: dict[str, Any], home: Path) -> float:
     import torch
 
     from contracts.wire import AttemptSpec
-    from workers.engine import run_attempt
-    from workers.events import ListSink
+    from workers.entry import run_attempt
+    from workers.sinks import ListSink
 
     class StampingSink(ListSink):
         def emit(self, type: str, data: dict[str, Any]) -> None:

@@ -38,7 +38,7 @@ CONTROLLER_POLL_S = "0.25"
 worker's ``ray.train.report`` waits until the controller has taken the previous report: with checkpoints less
 than 2 s apart every report blocked ~2 s. Polling 4x a second costs the controller little and removes most of
 that wait (an operator's own setting of the variable wins)."""
-DEFAULT_TRAIN_FN = "workers.engine:train_loop_per_worker"
+DEFAULT_TRAIN_FN = "workers.entry:train_loop_per_worker"
 """The per-worker entry; a launch may name another (set by the scheduler, never by a recipe)."""
 
 

@@ -3,8 +3,9 @@
 Everything on the per-step path stays on the device: norms come from one ``torch._foreach_norm`` call, scaling
 from ``torch._foreach_mul_`` with a 0-dim tensor, and the z-score EMA lives in 0-dim tensors updated with
 ``torch.where``. The loop can therefore gather loss, norms and finite flags into one tensor and sync once per
-step. Only the every-k-steps telemetry helpers (``per_layer_norms``, ``block_grad_norms``, ``update_ratio``)
-come back to the host, with a single ``.tolist()`` each.
+step. The every-k-steps telemetry helpers work from the same norms: ``block_grad_norms`` and ``update_ratio``
+stay on the device (they travel in the loop's signals gather); ``per_layer_norms`` comes back to the host with
+one ``.tolist()``.
 
 Order in the loop: backward → ``LossScaler.unscale_`` → ``pre = grad_norms(params)`` → ``clipper.clip(pre)``;
 the detectors see ``global_norm(pre)`` (the pre-clip norm) and the telemetry reports both.
@@ -13,11 +14,12 @@ the detectors see ``global_norm(pre)`` (the pre-clip norm) and the telemetry rep
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 import torch
 from torch import Tensor, nn
+from torch.nn.utils import get_total_norm
 
 from contracts.recipe import ClipMethod, Clipping
 
@@ -205,28 +207,33 @@ class Clipper:
 
 
 # ---------------------------------------------------------------------------------------- telemetry helpers
-def per_layer_norms(named_params: Iterable[tuple[str, nn.Parameter]]) -> dict[str, float]:
-    """Grad norm per named parameter (those with a grad), for the every-k-steps ``layer_stats`` event."""
-    named = [(n, p.grad) for n, p in named_params if p.grad is not None]
-    values = _stack_norms([g for _, g in named]).tolist()
-    return {n: float(v) for (n, _), v in zip(named, values, strict=True)}
+def per_layer_norms(names: Sequence[str], norms: Tensor) -> dict[str, float]:
+    """Grad norm per named parameter for the every-k-steps ``layer_stats`` event: ``names`` are the parameters
+    that ``norms`` (from ``grad_norms``) was computed over, in the same order. One host sync."""
+    return {n: float(v) for n, v in zip(names, norms.tolist(), strict=True)}
 
 
-def block_grad_norms(blocks: Sequence[nn.Module]) -> list[float]:
-    """Grad norm of each block (all its parameters together), in the given (input→output) order; a block with
-    no grads (frozen) gets 0.0, which the depth-profile fit ignores. One host sync."""
-    grads_per_block = [_grads(b.parameters()) for b in blocks]
-    flat = [g for gs in grads_per_block for g in gs]
-    if not flat:
-        return [0.0] * len(blocks)
-    sq = _stack_norms(flat) ** 2
-    sums: list[Tensor] = []
-    i = 0
-    zero = torch.zeros((), dtype=torch.float32, device=sq.device)
-    for gs in grads_per_block:
-        sums.append(sq[i : i + len(gs)].sum() if gs else zero)
-        i += len(gs)
-    return [float(v) for v in torch.stack(sums).sqrt().tolist()]
+def block_members(names: Sequence[str], owner: Mapping[str, int], device: torch.device | None = None) -> list[Tensor]:
+    """For each block (numbered by ``owner``: parameter name → block index, as ``models.param_block_index``), the
+    positions in ``names`` (the grad-norm order) of its parameters; a block none of ``names`` belongs to (frozen)
+    gets an empty index. Computed once per attempt, for ``block_grad_norms``."""
+    n_blocks = max(owner.values(), default=-1) + 1
+    members: list[list[int]] = [[] for _ in range(n_blocks)]
+    for i, name in enumerate(names):
+        if name in owner:
+            members[owner[name]].append(i)
+    return [torch.tensor(m, dtype=torch.long, device=device) for m in members]
+
+
+def block_grad_norms(norms: Tensor, members: Sequence[Tensor]) -> Tensor:
+    """Grad norm of each block (all its parameters together), in input→output order, from the stacked per-tensor
+    norms (``grad_norms``) and ``block_members``; a block with no trainable parameters (frozen) gets 0.0, which
+    the depth-profile fit ignores. Stays on the device (the loop gathers it with the step's signals)."""
+    if not members:
+        return torch.zeros(0, device=norms.device)
+    sq = norms.float() ** 2
+    zero = torch.zeros((), device=norms.device)
+    return torch.stack([sq[idx].sum() if idx.numel() else zero for idx in members]).sqrt()
 
 
 def param_snapshot(params: Iterable[Tensor]) -> list[Tensor]:
@@ -235,15 +242,15 @@ def param_snapshot(params: Iterable[Tensor]) -> list[Tensor]:
     return [p.detach().clone() for p in params]
 
 
-def update_ratio(before: Sequence[Tensor], params: Iterable[Tensor]) -> float:
-    """``||w_after - w_before|| / ||w_after||`` over all parameters (global L2 norms) after ``optimizer.step()``:
-    the update-to-weight ratio the stagnation detector watches. One host sync."""
+def update_ratio(before: Sequence[Tensor], params: Iterable[Tensor]) -> Tensor:
+    """``||w_after - w_before|| / ||w_after||`` over all parameters (global L2 norms, as
+    ``torch.nn.utils.get_total_norm``) after ``optimizer.step()``: the update-to-weight ratio the stagnation
+    detector watches. 0-dim, on the parameters' device, no host sync."""
     after = [p.detach() for p in params]
     if len(after) != len(before):
         raise ValueError(f"snapshot has {len(before)} tensors but there are {len(after)} parameters")
     if not after:
-        return 0.0
+        return torch.zeros((), dtype=torch.float32)
     diffs = torch._foreach_sub(after, list(before))
-    num = global_norm(_stack_norms(diffs))
-    den = global_norm(_stack_norms(after))
-    return float((num / den.clamp_min(1e-12)).item())
+    ratio: Tensor = get_total_norm(diffs) / get_total_norm(after).clamp_min(1e-12)
+    return ratio

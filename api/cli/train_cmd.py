@@ -27,7 +27,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from api.cli.app import app
 from contracts.recipe import Recipe, RecipeError, load_recipe
 from orchestrator.settings import get_settings
-from workers.events import ListSink
+from workers.sinks import ListSink
 
 EXIT_CODES = {"succeeded": 0, "diverged": 1, "cancelled": 130}
 EXIT_CRASHED = 3
@@ -159,7 +159,7 @@ def train(
     from contracts.checkpoint import CorruptCheckpoint
     from contracts.wire import AttemptSpec
     from workers.data import SpecError
-    from workers.engine import EngineConfigError
+    from workers.entry import EngineConfigError
     from workers.faults import InjectedCrash
 
     recipe = _load(recipe_file, steps, workers)
@@ -184,7 +184,7 @@ def train(
                 if recipe.resources.num_workers > 1:
                     result = _train_ray(spec, sink)
                 else:
-                    from workers.engine import run_attempt
+                    from workers.entry import run_attempt
 
                     result = run_attempt(spec, sink).to_dict()
             finally:

@@ -18,8 +18,8 @@ import torch.multiprocessing as mp
 
 from contracts.recipe import Recipe
 from contracts.wire import AttemptSpec
-from workers.engine import run_attempt
-from workers.events import ListSink
+from workers.entry import run_attempt
+from workers.sinks import ListSink
 
 
 class PlanningSink(ListSink):

@@ -13,6 +13,7 @@ from workers.clipping import (
     ZSCORE_STD_FLOOR,
     Clipper,
     block_grad_norms,
+    block_members,
     global_norm,
     grad_norms,
     param_snapshot,
@@ -250,27 +251,58 @@ def test_bad_state_and_mismatched_norms_are_clear_errors() -> None:
         c.clip(torch.ones(2))
 
 
-def test_telemetry_helpers() -> None:
+def test_per_layer_norms_name_the_grad_norms() -> None:
     named = make_params()
-    by_name = per_layer_norms(named)
+    with_grad = [n for n, p in named if p.grad is not None]
+    by_name = per_layer_norms(with_grad, grad_norms([p for _, p in named]))
     assert set(by_name) == {"w1", "b1", "conv", "w2"}
     conv_grad = named[2][1].grad
     assert conv_grad is not None
     assert by_name["conv"] == pytest.approx(conv_grad.norm().item(), rel=1e-6)
+    with pytest.raises(ValueError):  # names and norms must describe the same parameters
+        per_layer_norms(["w1"], grad_norms([p for _, p in named]))
 
+
+def test_block_grad_norms_from_the_per_tensor_norms() -> None:
     blocks = [nn.Linear(4, 4), nn.Linear(4, 4), nn.Linear(4, 4)]
     for i, b in enumerate(blocks):
         for q in b.parameters():
-            q.grad = torch.full_like(q, float(i))  # block 0 has zero grads
-    blocks[0].weight.grad = None
-    blocks[0].bias.grad = None
-    norms = block_grad_norms(blocks)
+            q.grad = torch.full_like(q, float(i))
+    for q in blocks[0].parameters():  # block 0 is frozen: not among the trainable (grad-norm) parameters
+        q.requires_grad_(False)
+        q.grad = None
+    model = nn.Sequential(*blocks)
+    owner = {name: int(name.split(".")[0]) for name, _ in model.named_parameters()}
+    trainable = [(n, q) for n, q in model.named_parameters() if q.requires_grad]
+    members = block_members([n for n, _ in trainable], owner)
+    assert [m.tolist() for m in members] == [[], [0, 1], [2, 3]]
+    norms = block_grad_norms(grad_norms([q for _, q in trainable]), members)
     assert norms[0] == 0.0
-    assert norms[2] == pytest.approx(2.0 * math.sqrt(20), rel=1e-6)
+    assert float(norms[2]) == pytest.approx(2.0 * math.sqrt(20), rel=1e-6)
+    for i in (1, 2):  # a block's norm is the norm of all its grads taken together
+        flat = torch.cat([q.grad.flatten() for q in blocks[i].parameters() if q.grad is not None])
+        assert float(norms[i]) == pytest.approx(flat.norm().item(), rel=1e-6)
+    assert block_grad_norms(torch.zeros(0), []).numel() == 0  # a model without blocks
+    assert block_members(["a"], {}) == []
 
+
+def test_update_ratio() -> None:
+    blocks = [nn.Linear(4, 4), nn.Linear(4, 4), nn.Linear(4, 4)]
     params = [q for b in blocks for q in b.parameters()]
     snap = param_snapshot(params)
     with torch.no_grad():
         blocks[1].weight.add_(0.01)
     w_norm = math.sqrt(sum(q.detach().pow(2).sum().item() for q in params))
-    assert update_ratio(snap, params) == pytest.approx(0.01 * 4 / w_norm, rel=1e-5)
+    ratio = update_ratio(snap, params)
+    assert ratio.dim() == 0 and float(ratio) == pytest.approx(0.01 * 4 / w_norm, rel=1e-5)
+    # get_total_norm is the global norm of the per-tensor norms, bit for bit (what the loop measured before)
+    diffs = [q.detach() - s for q, s in zip(params, snap, strict=True)]
+    explicit = global_norm(grad_norms_of(diffs)) / global_norm(grad_norms_of(params)).clamp_min(1e-12)
+    assert torch.equal(ratio, explicit)
+    with pytest.raises(ValueError, match="snapshot has 1 tensors"):
+        update_ratio(snap[:1], params)
+    assert float(update_ratio([], [])) == 0.0
+
+
+def grad_norms_of(tensors: list[torch.Tensor]) -> torch.Tensor:
+    return torch.stack(torch._foreach_norm([t.detach() for t in tensors])).float()

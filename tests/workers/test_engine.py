@@ -16,9 +16,11 @@ from contracts.checkpoint import CorruptCheckpoint, list_checkpoints
 from contracts.recipe import Recipe
 from contracts.wire import AttemptOutcome, AttemptSpec
 from workers.checkpoint import load_checkpoint
-from workers.engine import EngineConfigError, GuardedTrainer, WorkerContext, run_attempt
-from workers.events import ListSink
+from workers.context import WorkerContext
+from workers.entry import EngineConfigError, run_attempt
 from workers.faults import InjectedCrash
+from workers.sinks import ListSink
+from workers.trainer import GuardedTrainer
 
 GOLDEN = Path(__file__).parent / "golden" / "resume_fp32_tiny_gpt.json"
 

@@ -18,7 +18,7 @@ import pytest
 from contracts.recipe import Recipe
 from contracts.wire import AttemptSpec
 from workers.checkpoint import load_checkpoint
-from workers.engine import run_attempt, train_loop_per_worker
+from workers.entry import run_attempt, train_loop_per_worker
 
 pytestmark = [pytest.mark.ray]
 

@@ -24,7 +24,7 @@ from contracts.overrides import apply_overrides
 from contracts.recipe import Recipe, load_recipe
 from contracts.wire import AttemptOutcome, AttemptSpec
 from orchestrator.policy.recovery import AttemptRecord, CheckpointRecord, GiveUp, decide, effective_recipe
-from workers.engine import run_attempt
+from workers.entry import run_attempt
 
 RECIPES = Path(__file__).resolve().parents[2] / "recipes"
 UNSTABLE = sorted(p.name for p in RECIPES.glob("unstable-*.yaml"))

@@ -1,4 +1,8 @@
-"""Where the engine sends its events (the envelope and payloads are ``contracts/wire.py``)."""
+"""Where the engine sends its events: the ``EventSink`` protocol and the in-memory ``ListSink``.
+
+The envelope and the payloads are ``contracts/wire.py``; the Ray channel's sink is ``workers/ray_sink.py``.
+Only rank 0 holds a sink.
+"""
 
 from __future__ import annotations
 
@@ -14,6 +18,15 @@ class EventSink(Protocol):
 
     def should_stop(self) -> bool:
         """True once the control plane asked this attempt to stop (cancellation)."""
+        ...
+
+
+class PlanningSink(EventSink, Protocol):
+    """A sink that can also answer for the control plane after a rollback (in-place recovery)."""
+
+    def request_plan(self, end_data: dict[str, Any]) -> dict[str, Any] | None:
+        """The next attempt's plan for the ``end`` payload ``end_data`` (see ``workers/entry.py``), or None to
+        end the attempt group."""
         ...
 
 

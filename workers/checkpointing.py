@@ -1,0 +1,197 @@
+"""Checkpointing an attempt: what a trainer's checkpoint holds, where it goes, and how a resume gets it back.
+
+``workers/checkpoint.py`` writes and reads the files (the format is ``contracts/checkpoint.py``); this module
+decides what is in them and where they go:
+
+- ``TrainingState``: the stateful parts of one rank's trainer. A checkpoint holds the model, optimizer, loss
+  scaler, detectors and clipper (rank 0's, identical on every rank), each rank's RNG and comm-hook state, and the
+  progress (step, data offset, attempt, world size, the pending update ratio).
+- ``health_verdict``: the label every checkpoint carries (finite weights, no anomaly since the previous one, the
+  loss within the loss detector's bounds).
+- ``Checkpointer``: rank 0 writes to the attempt's directory in a plain process, or to a scratch directory that it
+  hands to ``ray.train.report`` under Ray Train (every rank reports, so all report the same number of times);
+  then the ``checkpoint`` event, the corrupt-checkpoint fault and, in a plain process, retention.
+- ``materialize``: a local directory for a checkpoint path or URI (downloaded through Ray Train when remote).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import shutil
+import tempfile
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from contracts.checkpoint import apply_retention, local_dir
+from contracts.wire import AttemptSpec, SavedCheckpoint, finite_or_none
+from workers.checkpoint import rng_state, save_checkpoint, set_rng_state
+from workers.clipping import Clipper
+from workers.comm import load_powersgd_state, powersgd_state_dict
+from workers.context import WorkerContext, barrier, gather_objects
+from workers.detectors import DetectorSuite
+from workers.faults import FaultInjector
+from workers.precision import LossScaler
+from workers.sinks import EventSink
+
+
+@dataclass(frozen=True)
+class TrainingState:
+    """The stateful parts of one rank's trainer: what a checkpoint holds and a resume restores.
+
+    The model's weights are loaded by the trainer itself, before DDP wraps the module (DDP starts every rank
+    from rank 0's weights); ``load_state_dict`` restores the rest.
+    """
+
+    module: nn.Module
+    optimizer: torch.optim.Optimizer
+    scaler: LossScaler
+    detectors: DetectorSuite
+    clipper: Clipper
+    comm_state: Any = None
+    """PowerSGD's state when that comm hook is on, else None."""
+
+    def rank_part(self) -> dict[str, Any]:
+        """What differs between ranks (RNG streams, PowerSGD's error feedback): gathered so each resumes its own."""
+        return {"rng": rng_state(),
+                "comm_hook": powersgd_state_dict(self.comm_state) if self.comm_state is not None else {}}
+
+    def state_dict(self, per_rank: Sequence[Mapping[str, Any]], progress: dict[str, Any]) -> dict[str, Any]:
+        """The checkpoint's parts (rank 0), with every rank's ``rank_part`` in rank order."""
+        return {
+            "model": self.module.state_dict(),
+            "optimizer": self.optimizer.state_dict(),
+            "scaler": self.scaler.state_dict(),
+            "detectors": self.detectors.state_dict(),
+            "clipper": self.clipper.state_dict(),
+            "comm_hook": [r["comm_hook"] for r in per_rank],
+            "rng": [r["rng"] for r in per_rank],
+            "progress": progress,
+        }
+
+    def load_state_dict(self, saved: Mapping[str, Any], *, hyperparameters: Mapping[str, Any], rank: int,
+                        world_size: int, device: torch.device) -> float | None:
+        """Resume optimizer, scaler, detectors, clipper, comm hook and RNG; returns the pending update ratio.
+
+        ``hyperparameters`` (the recipe's, possibly overridden) win over the checkpoint's param groups. Per-rank
+        parts come back to the same rank when the world size is unchanged; otherwise every rank takes rank 0's
+        RNG and PowerSGD starts afresh.
+        """
+        self.optimizer.load_state_dict(saved["optimizer"])
+        for group in self.optimizer.param_groups:
+            group.update(hyperparameters)
+        self.scaler.load_state_dict(saved["scaler"])
+        self.detectors.load_state_dict(saved["detectors"])
+        self.clipper.load_state_dict(saved["clipper"])
+        same_world = saved["progress"].get("world_size") == world_size
+        comm = saved.get("comm_hook") or []
+        if self.comm_state is not None and same_world and comm and comm[rank]:
+            load_powersgd_state(self.comm_state, comm[rank], device)
+        rngs = saved.get("rng") or []
+        if rngs:
+            set_rng_state(rngs[rank] if same_world else rngs[0])
+        ratio = saved["progress"].get("pending_update_ratio")
+        return None if ratio is None else float(ratio)
+
+
+def health_verdict(module: nn.Module, *, loss: float, loss_in_bounds: bool,
+                   anomalies: int) -> tuple[bool, dict[str, Any]]:
+    """(healthy, verdict): healthy when the weights are finite, the loss is within the loss detector's bounds and
+    no anomaly was found since the previous checkpoint."""
+    weights = [p.detach() for p in module.parameters()]
+    weights_finite = bool(torch.isfinite(torch.stack(torch._foreach_norm(weights))).all()) if weights else True
+    verdict = {
+        "weights_finite": weights_finite,
+        "anomalies_since_previous": anomalies,
+        "loss_in_bounds": loss_in_bounds,
+        "loss": finite_or_none(loss),
+    }
+    return weights_finite and loss_in_bounds and anomalies == 0, verdict
+
+
+class Checkpointer:
+    """Writes one attempt's checkpoints from every rank (see the module docstring for where they go)."""
+
+    def __init__(self, spec: AttemptSpec, ctx: WorkerContext, sink: EventSink | None,
+                 faults: FaultInjector) -> None:
+        self.spec = spec
+        self.ctx = ctx
+        self.sink = sink
+        self.faults = faults
+
+    def save(self, step: int, state: TrainingState, *, healthy: bool, verdict: dict[str, Any], loss: float,
+             pending_update_ratio: float | None,
+             on_saved: Callable[[SavedCheckpoint], None]) -> SavedCheckpoint | None:
+        """Checkpoint the state after ``step`` completed steps (a collective: every rank calls it).
+
+        Rank 0 returns the checkpoint (``on_saved`` sees it before the event, the fault and retention run); the
+        other ranks return None.
+        """
+        ctx = self.ctx
+        per_rank = gather_objects(state.rank_part(), ctx)
+        name = f"step_{step:08d}"
+        saved: SavedCheckpoint | None = None
+        if ctx.is_main:
+            progress = {"step": step, "data_offset": self.spec.data_offset, "attempt": self.spec.attempt,
+                        "world_size": ctx.world_size, "pending_update_ratio": pending_update_ratio}
+            meta = {"step": step, "healthy": healthy, "verdict": verdict, "attempt": self.spec.attempt,
+                    "run_id": self.spec.run_id, "recipe": self.spec.recipe.name}
+            saved = self._write(name, state.state_dict(per_rank, progress), meta, loss, on_saved)
+        elif ctx.ray_train:
+            self._report_to_ray(step, name, None, healthy, loss)
+        if not ctx.ray_train:
+            barrier(ctx)  # every rank may now read the checkpoint
+        return saved
+
+    def _write(self, name: str, state: dict[str, Any], meta: dict[str, Any], loss: float,
+               on_saved: Callable[[SavedCheckpoint], None]) -> SavedCheckpoint:
+        ctx, step, healthy = self.ctx, int(meta["step"]), bool(meta["healthy"])
+        target_root = Path(tempfile.mkdtemp(prefix="ballast-ckpt-")) if ctx.ray_train else Path(
+            self.spec.checkpoint_dir)
+        info = save_checkpoint(target_root / name, state, meta=meta, overwrite=True)
+        uri = (f"{ctx.checkpoint_uri_prefix.rstrip('/')}/{name}" if ctx.ray_train and ctx.checkpoint_uri_prefix
+               else str(info.path))
+        saved = SavedCheckpoint(step=step, path=uri, healthy=healthy, sha256=info.sha256)
+        on_saved(saved)
+        if self.sink is not None:
+            self.sink.emit("checkpoint", {"step": step, "uri": uri, "sha256": info.sha256, "healthy": healthy,
+                                          "verdict": meta["verdict"], "metrics": {"loss": finite_or_none(loss)}})
+            self.sink.flush()
+        if ctx.ray_train:
+            self._report_to_ray(step, name, info.path, healthy, loss)
+            shutil.rmtree(target_root, ignore_errors=True)
+            persisted = local_dir(uri)
+            self.faults.after_checkpoint(step, persisted if persisted is not None and persisted.is_dir() else None)
+        else:
+            self.faults.after_checkpoint(step, info.path)
+            apply_retention(self.spec.checkpoint_dir, self.spec.recipe.checkpoint.keep,
+                            self.spec.recipe.checkpoint.keep_healthy)
+        return saved
+
+    def _report_to_ray(self, step: int, name: str, path: Path | None, healthy: bool, loss: float) -> None:
+        """``ray.train.report`` with the checkpoint (rank 0) or without (the others): every rank must report."""
+        import ray.train
+
+        metrics = {"step": step, "healthy": healthy, "loss": finite_or_none(loss), "attempt": self.spec.attempt}
+        checkpoint = ray.train.Checkpoint.from_directory(str(path)) if path is not None else None
+        ray.train.report(metrics, checkpoint=checkpoint, checkpoint_dir_name=name)
+
+
+@contextlib.contextmanager
+def materialize(uri: str | None) -> Iterator[str | None]:
+    """A local directory for a checkpoint path or URI (downloaded through Ray Train for remote storage)."""
+    if uri is None:
+        yield None
+        return
+    local = local_dir(uri)
+    if local is not None:
+        yield str(local)
+        return
+    import ray.train
+
+    with ray.train.Checkpoint(uri).as_directory() as path:
+        yield str(path)

@@ -1,0 +1,105 @@
+"""Where an attempt starts: ``run_attempt`` in a plain process, ``train_loop_per_worker`` on Ray Train.
+
+Both run the same loop of attempts in one worker group: the spec's attempt, then, while a diverged attempt's sink
+hands back an in-place recovery plan (``PlanningSink.request_plan``, rank 0 only, broadcast to every rank), the
+next attempt from the plan's checkpoint with its overrides. A plain process is world size 1 or a rank of an
+already initialised ``torch.distributed`` group; under Ray Train the ranks come from the train context and
+checkpoints leave through ``ray.train.report``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from contracts.overrides import apply_overrides
+from contracts.wire import AttemptOutcome, AttemptSpec
+from workers.checkpointing import materialize
+from workers.comm import EngineConfigError
+from workers.context import WorkerContext, broadcast_object, plain_context
+from workers.sinks import EventSink
+from workers.trainer import GuardedTrainer
+
+
+def next_spec(spec: AttemptSpec, plan: Mapping[str, Any]) -> AttemptSpec:
+    """The next attempt from an in-place plan: either a full spec or overrides on the current recipe."""
+    if plan.get("spec"):
+        return AttemptSpec.from_dict(plan["spec"])
+    recipe = apply_overrides(spec.recipe, plan.get("overrides") or {},
+                             allowed_import_modules=spec.allowed_import_modules or None)
+    return AttemptSpec(
+        recipe=recipe, checkpoint_dir=str(plan.get("checkpoint_dir") or spec.checkpoint_dir),
+        attempt=int(plan["attempt"]), resume_from=plan.get("resume_from"),
+        rewarm_steps=int(plan.get("rewarm_steps", 0)), data_offset=int(plan.get("data_offset", spec.data_offset)),
+        run_id=spec.run_id, allowed_import_modules=spec.allowed_import_modules,
+    )
+
+
+def _request_plan(sink: EventSink | None, result: AttemptOutcome, ctx: WorkerContext) -> dict[str, Any] | None:
+    """Rank 0 asks its sink for an in-place plan after a rollback; every rank gets the answer."""
+    plan: dict[str, Any] | None = None
+    request = getattr(sink, "request_plan", None)
+    if ctx.is_main and callable(request):
+        plan = request(result.end_event())
+    answer: dict[str, Any] | None = broadcast_object(plan, ctx)
+    return answer
+
+
+def run_attempts(spec: AttemptSpec, ctx: WorkerContext, sink: EventSink | None, resume: str | None) -> AttemptOutcome:
+    """Run attempts in this worker group: the spec's, then any in-place recovery plan the sink hands back.
+
+    Returns the last attempt's outcome, with the earlier ones in ``previous``.
+    """
+    deterministic_before = torch.are_deterministic_algorithms_enabled()
+    history: list[AttemptOutcome] = []
+    try:
+        while True:
+            with materialize(resume) as resume_dir:
+                trainer = GuardedTrainer(spec, ctx, sink, resume_dir=resume_dir)
+            result = trainer.train()
+            plan = None
+            if result.outcome == "diverged" and spec.recipe.recovery.in_place:
+                plan = _request_plan(sink, result, ctx)
+            if not plan:
+                result.previous = history
+                return result
+            history.append(result)
+            spec = next_spec(spec, plan)
+            resume = spec.resume_from
+    finally:
+        torch.use_deterministic_algorithms(deterministic_before)
+
+
+def run_attempt(spec: AttemptSpec, sink: EventSink | None = None) -> AttemptOutcome:
+    """Run one attempt in this process (world size 1, or the ranks of an initialised process group)."""
+    ctx = plain_context(spec.recipe)
+    Path(spec.checkpoint_dir).mkdir(parents=True, exist_ok=True)
+    return run_attempts(spec, ctx, sink, spec.resume_from)
+
+
+def train_loop_per_worker(config: dict[str, Any]) -> None:
+    """Ray Train V2 entry: ``config = {"spec": AttemptSpec dict, "sink": EventSink | None,
+    "checkpoint_uri_prefix": str}``. Checkpoints go through ``ray.train.report`` (rank 0 attaches them);
+    telemetry through the sink (used on rank 0 only)."""
+    import ray.train
+    import ray.train.torch
+
+    spec = AttemptSpec.from_dict(config["spec"])
+    tc = ray.train.get_context()
+    ctx = WorkerContext(
+        rank=tc.get_world_rank(), world_size=tc.get_world_size(), device=ray.train.torch.get_device(),
+        ray_train=True, checkpoint_uri_prefix=config.get("checkpoint_uri_prefix"),
+    )
+    sink = config.get("sink") if ctx.is_main else None
+    restored = ray.train.get_checkpoint()
+    if restored is not None:  # Ray Train restarted this worker group: continue from its newest checkpoint
+        with restored.as_directory() as path:
+            run_attempts(spec, ctx, sink, str(path))
+        return
+    run_attempts(spec, ctx, sink, spec.resume_from)
+
+
+__all__ = ["EngineConfigError", "next_spec", "run_attempt", "run_attempts", "train_loop_per_worker"]

@@ -1,0 +1,335 @@
+"""The guarded training loop: apply a recipe, watch every step, checkpoint with a health verdict.
+
+Read it top to bottom: ``GuardedTrainer.train()`` → ``train_step()``. Each step:
+
+1. LR from the schedule (set on the param groups directly; re-warmed after a resume when the plan says so);
+2. forward/backward over the micro-batches under autocast with the loss scaler (DDP syncs gradients only on the
+   last micro-batch), with the recipe's faults injected where they would strike;
+3. unscale, fused per-tensor grad norms, clipping (in place; a skipped update discards the clipped grads anyway);
+4. **one all-gather of every rank's signals packet** (``workers/signals.py``): the only host sync of an ordinary
+   step, from which every rank derives the same ``StepSignals`` and so the same decision;
+5. the guard: detectors → ``optimizer.step()`` **only** when loss and gradients are finite on every rank and the
+   decision is ``record``; ``skip_step`` and non-finite steps zero the grads; ``rollback`` ends the attempt;
+6. telemetry through the sink (rank 0 only; never blocks), checkpoints every ``checkpoint.every_steps``.
+
+The components it calls live in their own modules: clipping, precision, schedule, detectors, faults, comm hooks
+(``comm``), checkpoint contents (``checkpointing``). ``workers/entry.py`` runs it in a process or on Ray Train.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from contracts.recipe import Action, DType, LossScaling
+from contracts.wire import AttemptOutcome, AttemptSpec, SavedCheckpoint
+from workers.checkpoint import load_checkpoint
+from workers.checkpointing import Checkpointer, TrainingState, health_verdict
+from workers.clipping import (
+    Clipper,
+    block_grad_norms,
+    block_members,
+    global_norm,
+    grad_norms,
+    param_snapshot,
+    update_ratio,
+)
+from workers.comm import check_backend, no_sync, prime_ddp_buckets, wrap_ddp
+from workers.context import WorkerContext
+from workers.data import DataSource, build_data
+from workers.detectors import Decision, DetectorSuite, Finding, StepSignals
+from workers.faults import FaultInjector
+from workers.models import build_model, freeze_first_n_blocks, param_block_index, set_activation_checkpointing
+from workers.optim import build_optimizer, hyperparameters
+from workers.precision import LossScaler, autocast
+from workers.schedule import lr_at
+from workers.signals import GatheredStep, RankSignals, combine, gather
+from workers.sinks import EventSink
+from workers.telemetry import layer_stats_payload, metric_payload
+
+
+@dataclass
+class StepReport:
+    step: int
+    signals: StepSignals
+    decision: Decision
+    applied: bool
+    """Whether ``optimizer.step()`` ran."""
+    stop: bool
+    """Some rank was asked to stop the attempt."""
+
+
+class GuardedTrainer:
+    """One attempt on one rank. Build it, then ``train()``; see the module docstring for the step."""
+
+    def __init__(
+        self,
+        spec: AttemptSpec,
+        ctx: WorkerContext,
+        sink: EventSink | None = None,
+        resume_dir: str | Path | None = None,
+    ) -> None:
+        self.spec = spec
+        self.recipe = r = spec.recipe
+        self.ctx = ctx
+        self.sink = sink if ctx.is_main else None
+        self.device = ctx.device
+        check_backend(r, ctx)
+        if r.training.deterministic:
+            torch.use_deterministic_algorithms(True, warn_only=True)
+
+        self.data: DataSource = build_data(
+            r.data, seed=r.training.seed, batch_size=r.training.batch_size, rank=ctx.rank,
+            world_size=ctx.world_size, allowed_import_modules=spec.allowed_import_modules,
+        )
+        self.module: nn.Module = self._build_model()
+        self.named_params = [(n, p) for n, p in self.module.named_parameters() if p.requires_grad]
+        self.params = [p for _, p in self.named_params]
+        self._block_members = self._block_membership()
+
+        saved: dict[str, Any] | None = None
+        self.start_step = 0
+        if resume_dir is not None:
+            saved, manifest = load_checkpoint(resume_dir)
+            self.start_step = manifest.step
+            self.module.load_state_dict(saved["model"])
+        else:  # a fresh start seeds the global RNG per rank (dropout in custom models); a resume restores it
+            torch.manual_seed(r.training.seed * 1009 + ctx.rank)
+
+        self.model: nn.Module = self.module
+        self.comm_state: Any = None
+        if ctx.distributed:
+            self.model, self.comm_state = wrap_ddp(self.module, r, self.device)
+        self.optimizer = build_optimizer(self.params, r.optimizer)
+        self.scaler = LossScaler(r.precision, self.device)
+        self.clipper = Clipper(r.clipping, self.named_params)
+        self.fp16_dynamic = r.precision.dtype is DType.fp16 and r.precision.loss_scaling is LossScaling.dynamic
+        self.detectors = DetectorSuite(r.detectors, fp16=self.fp16_dynamic)
+        self.faults = FaultInjector(r.faults, attempt=spec.attempt, rank=ctx.rank)
+        self.state = TrainingState(self.module, self.optimizer, self.scaler, self.detectors, self.clipper,
+                                   self.comm_state)
+        self.checkpointer = Checkpointer(spec, ctx, self.sink, self.faults)
+
+        self._pending_update_ratio: Tensor | None = None
+        if saved is not None:
+            self._restore(saved)
+
+        self.result = AttemptOutcome(outcome="succeeded", attempt=spec.attempt, start_step=self.start_step,
+                                     final_step=self.start_step)
+        self._healthy_norms: list[float] = []
+        self._findings_since_checkpoint = 0
+        self._last_loss = float("nan")
+        self._last_time = time.perf_counter()
+        self._samples_per_step = r.training.batch_size * r.training.grad_accum_steps * ctx.world_size
+
+    # ------------------------------------------------------------------------------------------ train
+    def train(self) -> AttemptOutcome:
+        """Run steps until max_steps, a rollback decision, or a stop request; then emit ``end``."""
+        max_steps = self.recipe.training.max_steps
+        every = self.recipe.checkpoint.every_steps
+        res = self.result
+        for step in range(self.start_step, max_steps):
+            report = self.train_step(step)
+            if report.decision.rollback:
+                self._diverged(report)
+                break
+            res.final_step = step + 1
+            if report.stop:
+                res.outcome, res.reason = "cancelled", f"stop requested; ended after step {step}"
+                break
+            if res.final_step % every == 0 or res.final_step == max_steps:
+                self.checkpoint(res.final_step)
+        else:
+            res.reason = f"completed {max_steps} steps"
+        res.median_grad_norm = statistics.median(self._healthy_norms) if self._healthy_norms else None
+        if self.sink is not None:
+            self.sink.emit("end", res.end_event())
+            self.sink.flush()
+        return res
+
+    def train_step(self, step: int) -> StepReport:
+        self.faults.before_step(step)
+        lr = self._set_lr(step)
+
+        # 1. forward and backward over the micro-batches; DDP all-reduces only on the last one
+        mean_loss = self._forward_backward(step)
+
+        # 2. unscale, fused norms, clip (in place; a skipped step throws the grads away below)
+        self.scaler.unscale_(self.optimizer)
+        self.faults.on_grads(step, self.params)
+        norms = grad_norms(self.params)
+        pre = global_norm(norms).to(self.device)
+        layer_step = self._is_layer_step(step)
+        block_norms = block_grad_norms(norms.to(self.device), self._block_members) if layer_step else None
+        post = self.clipper.clip(norms)
+
+        # 3. one gather of every rank's signals: the only host sync of an ordinary step
+        stop = self.sink is not None and self.sink.should_stop()
+        ratio, self._pending_update_ratio = self._pending_update_ratio, None
+        packet = RankSignals(
+            loss=mean_loss,
+            grad_norm=pre,
+            loss_nonfinite=(~torch.isfinite(mean_loss)).float(),
+            grads_nonfinite=(~torch.isfinite(pre)).float(),
+            stop=torch.tensor(float(stop), device=self.device),
+            loss_scale=self.scaler.scale_tensor().to(self.device).float(),
+            clipped_norm=post.to(self.device).float(),
+            update_ratio=ratio if ratio is not None else torch.tensor(float("nan"), device=self.device),
+            block_norms=() if block_norms is None else tuple(block_norms.unbind(0)),
+        )
+        gathered = combine(step, gather(packet, self.ctx), fp16_dynamic=self.fp16_dynamic, layer_step=layer_step)
+        signals = gathered.signals
+
+        # 4. the guard: the detectors decide; the weights change only if every rank's numbers are finite
+        decision = self.detectors.observe(signals)
+        apply = signals.finite and decision.action is Action.record
+        snapshot = param_snapshot(self.params) if apply and self._is_snapshot_step(step) else None
+        if apply:
+            self.optimizer.step()
+        if not decision.rollback:
+            self.scaler.update(signals.overflow or not signals.finite)
+        self.optimizer.zero_grad(set_to_none=True)
+        if snapshot is not None:
+            self._pending_update_ratio = update_ratio(snapshot, self.params).to(self.device)
+
+        # 5. bookkeeping and telemetry (rank 0 only)
+        self._tally(signals, decision, apply)
+        self._emit_step(gathered, decision, apply, lr, norms if layer_step else None)
+        return StepReport(step=step, signals=signals, decision=decision, applied=apply,
+                          stop=gathered.stop_requested)
+
+    # ------------------------------------------------------------------------------------ step helpers
+    def _set_lr(self, step: int) -> float:
+        r = self.recipe
+        lr = lr_at(step, base_lr=r.optimizer.lr, max_steps=r.training.max_steps, schedule=r.schedule,
+                   rewarm_start=self.start_step if self.spec.rewarm_steps else None,
+                   rewarm_steps=self.spec.rewarm_steps)
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        return lr
+
+    def _forward_backward(self, step: int) -> Tensor:
+        """The mean loss over the step's micro-batches (0-dim, on the device); the grads hold its gradient."""
+        r = self.recipe
+        accum = r.training.grad_accum_steps
+        loss_sum = torch.zeros((), dtype=torch.float32, device=self.device)
+        for micro in range(accum):
+            index = (step + self.spec.data_offset) * accum + micro
+            inputs, targets = self.faults.on_batch(step, self.data.batch(index))
+            inputs, targets = inputs.to(self.device, non_blocking=True), targets.to(self.device, non_blocking=True)
+            with no_sync(self.model, self.module, skip_sync=micro < accum - 1):
+                with autocast(r.precision.dtype, self.device):
+                    loss = self.model((inputs, targets))
+                loss = self.faults.on_loss(step, loss, inputs)
+                self.scaler.scale(loss.float() / accum).backward()  # type: ignore[no-untyped-call]
+            loss_sum += loss.detach().float()
+        return loss_sum / accum
+
+    def _is_layer_step(self, step: int) -> bool:
+        k = self.recipe.telemetry.layer_stats_every
+        return k > 0 and step % k == 0
+
+    def _is_snapshot_step(self, step: int) -> bool:
+        """The step before a layer-stats step: its update is the one that step's update ratio measures."""
+        k = self.recipe.telemetry.layer_stats_every
+        return k > 0 and (step + 1) % k == 0
+
+    def _tally(self, s: StepSignals, decision: Decision, applied: bool) -> None:
+        """The attempt's record of the step (every rank keeps the same one)."""
+        res = self.result
+        res.losses.append(s.loss)
+        res.grad_norms.append(s.grad_norm)
+        res.loss_scales.append(s.loss_scale)
+        self._last_loss = s.loss
+        if not applied and not decision.rollback:
+            res.skipped_steps.append(s.step)
+        elif not decision.findings:
+            self._healthy_norms.append(s.grad_norm)
+        for f in decision.findings:
+            res.findings.append(f.to_event())
+            if f.kind == "loss_scale_collapse":
+                res.loss_scale_collapsed = True
+        self._findings_since_checkpoint += len(decision.findings)
+
+    def _emit_step(self, gathered: GatheredStep, decision: Decision, applied: bool, lr: float,
+                   layer_norms: Tensor | None) -> None:
+        """The step's anomalies, ``metric`` and (on layer-stats steps) ``layer_stats`` events."""
+        now = time.perf_counter()
+        elapsed, self._last_time = now - self._last_time, now
+        if self.sink is None:
+            return
+        s = gathered.signals
+        for f in decision.findings:
+            self.sink.emit("anomaly", f.to_event())
+        static_scale = self.recipe.precision.static_scale if self.scaler.enabled else None
+        self.sink.emit("metric", metric_payload(
+            s, applied=applied, clipped_norm=gathered.clipped_norm, lr=lr,
+            loss_scale=s.loss_scale if s.loss_scale is not None else static_scale,
+            throughput=self._samples_per_step / elapsed if elapsed > 0 else None,
+        ))
+        if layer_norms is not None:
+            self.sink.emit("layer_stats", layer_stats_payload(
+                s, names=[n for n, _ in self.named_params], layer_norms=layer_norms,
+                depth_slope_threshold=self.recipe.detectors.vanishing.depth_slope_threshold,
+            ))
+
+    def _diverged(self, report: StepReport) -> None:
+        res = self.result
+        deciding = [f for f in report.decision.findings if f.action is Action.rollback]
+        first: Finding | None = deciding[0] if deciding else None
+        res.outcome = "diverged"
+        res.final_step = report.step
+        res.onset_step = report.decision.onset_step
+        if first is not None:
+            res.detector, res.value = first.kind, first.value
+            res.reason = (f"{first.kind} at step {report.step} (onset {res.onset_step}): value {first.value} vs "
+                          f"threshold {first.threshold}; rolled back")
+
+    # ------------------------------------------------------------------------------------- checkpoints
+    def checkpoint(self, step: int) -> SavedCheckpoint | None:
+        """Write the full training state after ``step`` completed steps, with a health verdict (every rank
+        calls it; rank 0 returns the checkpoint)."""
+        healthy, verdict = health_verdict(self.module, loss=self._last_loss,
+                                          loss_in_bounds=self.detectors.loss_in_bounds(self._last_loss),
+                                          anomalies=self._findings_since_checkpoint)
+        self._findings_since_checkpoint = 0
+        pending = self._pending_update_ratio
+        return self.checkpointer.save(step, self.state, healthy=healthy, verdict=verdict, loss=self._last_loss,
+                                      pending_update_ratio=None if pending is None else float(pending),
+                                      on_saved=self.result.checkpoints.append)
+
+    # ------------------------------------------------------------------------------------------ setup
+    def _build_model(self) -> nn.Module:
+        r = self.recipe
+        model = build_model(r.model, self.data, seed=r.training.seed,
+                            allowed_import_modules=self.spec.allowed_import_modules)
+        if r.distributed.freeze_first_n_blocks:
+            freeze_first_n_blocks(model, r.distributed.freeze_first_n_blocks)
+        if r.distributed.activation_checkpointing:
+            set_activation_checkpointing(model, True)
+        return model.to(self.device)
+
+    def _block_membership(self) -> list[Tensor]:
+        """For each block, the indices of its trainable parameters in ``self.params`` (the grad-norm order)."""
+        try:
+            owner = param_block_index(self.module)
+        except ValueError:
+            return []
+        return block_members([n for n, _ in self.named_params], owner, self.device)
+
+    def _restore(self, saved: dict[str, Any]) -> None:
+        """Resume everything but the weights (loaded before DDP wrapped the module)."""
+        if self.comm_state is not None:
+            accum = self.recipe.training.grad_accum_steps
+            batch = self.data.batch((self.start_step + self.spec.data_offset) * accum)
+            prime_ddp_buckets(self.model, self.module, batch, self.recipe.precision.dtype, self.device)
+        ratio = self.state.load_state_dict(saved, hyperparameters=hyperparameters(self.recipe.optimizer),
+                                           rank=self.ctx.rank, world_size=self.ctx.world_size, device=self.device)
+        if ratio is not None:
+            self._pending_update_ratio = torch.tensor(ratio, device=self.device)
