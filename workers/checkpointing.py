@@ -33,7 +33,7 @@ from workers.checkpoint import rng_state, save_checkpoint, set_rng_state
 from workers.clipping import Clipper
 from workers.comm import load_powersgd_state, powersgd_state_dict
 from workers.context import WorkerContext, barrier, gather_objects
-from workers.detectors import DetectorSuite
+from workers.detectors import DetectorSuite, LossSummary
 from workers.faults import FaultInjector
 from workers.precision import LossScaler
 from workers.sinks import EventSink
@@ -98,19 +98,27 @@ class TrainingState:
         return None if ratio is None else float(ratio)
 
 
-def health_verdict(module: nn.Module, *, loss: float, loss_in_bounds: bool,
-                   anomalies: int) -> tuple[bool, dict[str, Any]]:
+def health_verdict(module: nn.Module, *, loss: float, loss_in_bounds: bool, anomalies: int,
+                   summary: LossSummary, regression_tolerance: float) -> tuple[bool, dict[str, Any]]:
     """(healthy, verdict): healthy when the weights are finite, the loss is within the loss detector's bounds and
-    no anomaly was found since the previous checkpoint."""
+    the smoothed loss has not regressed: at most ``regression_tolerance`` (plus one batch-noise deviation) above the
+    best the lineage reached, so a rollback never lands on a checkpoint that had already drifted up. Anomalies
+    since the previous checkpoint are recorded but do not decide: an unresolved one ends the attempt before any
+    checkpoint, and a skipped step or a record-only finding leaves the state as healthy as it was."""
     weights = [p.detach() for p in module.parameters()]
     weights_finite = bool(torch.isfinite(torch.stack(torch._foreach_norm(weights))).all()) if weights else True
+    limit = None if summary.best is None else (1.0 + regression_tolerance) * summary.best + summary.noise_std
+    regressed = limit is not None and summary.smoothed is not None and summary.smoothed > limit
     verdict = {
         "weights_finite": weights_finite,
         "anomalies_since_previous": anomalies,
         "loss_in_bounds": loss_in_bounds,
         "loss": finite_or_none(loss),
+        "smoothed_loss": finite_or_none(summary.smoothed),
+        "best_smoothed_loss": finite_or_none(summary.best),
+        "regressed": regressed,
     }
-    return weights_finite and loss_in_bounds and anomalies == 0, verdict
+    return weights_finite and loss_in_bounds and not regressed, verdict
 
 
 class Checkpointer:
@@ -159,7 +167,9 @@ class Checkpointer:
         on_saved(saved)
         if self.sink is not None:
             self.sink.emit("checkpoint", {"step": step, "uri": uri, "sha256": info.sha256, "healthy": healthy,
-                                          "verdict": meta["verdict"], "metrics": {"loss": finite_or_none(loss)}})
+                                          "verdict": meta["verdict"],
+                                          "metrics": {"loss": finite_or_none(loss),
+                                                      "smoothed_loss": meta["verdict"].get("smoothed_loss")}})
             self.sink.flush()
         if ctx.ray_train:
             self._report_to_ray(step, name, info.path, healthy, loss)

@@ -52,6 +52,7 @@ from workers.schedule import lr_at
 from workers.signals import GatheredStep, RankSignals, combine, gather
 from workers.sinks import EventSink
 from workers.telemetry import layer_stats_payload, metric_payload
+from workers.verdict import Evidence, Verdict, early_check_step, final_loss, judge_end, judge_progress
 
 
 @dataclass
@@ -127,6 +128,8 @@ class GuardedTrainer:
         self._last_loss = float("nan")
         self._last_time = time.perf_counter()
         self._samples_per_step = r.training.batch_size * r.training.grad_accum_steps * ctx.world_size
+        warmup = r.schedule.resolved_warmup_steps(r.training.max_steps)
+        self._early_check = early_check_step(r.success, max_steps=r.training.max_steps, warmup_steps=warmup)
 
     # ------------------------------------------------------------------------------------------ train
     def train(self) -> AttemptOutcome:
@@ -143,10 +146,15 @@ class GuardedTrainer:
             if report.stop:
                 res.outcome, res.reason = "cancelled", f"stop requested; ended after step {step}"
                 break
+            if step == self._early_check and not self._judged(self._early_verdict(step)):
+                break
             if res.final_step % every == 0 or res.final_step == max_steps:
                 self.checkpoint(res.final_step)
         else:
-            res.reason = f"completed {max_steps} steps"
+            # reaching max_steps is not success: the model must be healthy where it ends
+            verdict = judge_end(self.recipe.success, self._evidence())
+            if self._judged(verdict):
+                res.reason = f"completed {max_steps} steps; {verdict.reason}"
         res.median_grad_norm = statistics.median(self._healthy_norms) if self._healthy_norms else None
         if self.sink is not None:
             self.sink.emit("end", res.end_event())
@@ -291,13 +299,49 @@ class GuardedTrainer:
             res.reason = (f"{first.kind} at step {report.step} (onset {res.onset_step}): value {first.value} vs "
                           f"threshold {first.threshold}; rolled back")
 
+    # --------------------------------------------------------------------------------------- verdict
+    def _evidence(self) -> Evidence:
+        summary = self.detectors.loss_summary()
+        return Evidence(
+            final_loss=final_loss(self.result.losses, self.recipe.success.window),
+            best_loss=summary.best, best_step=summary.best_step, initial_loss=summary.initial,
+            loss_floor=self.data.loss_floor, noise_std=summary.noise_std,
+            vanishing=any(f["kind"] == "vanishing_gradients" for f in self.result.findings),
+            start_step=self.start_step,
+        )
+
+    def _early_verdict(self, step: int) -> Verdict:
+        smoothed = self.detectors.loss_summary().smoothed
+        if smoothed is None:
+            return Verdict(None, "no loss seen yet")
+        return judge_progress(self.recipe.success, smoothed_loss=smoothed, ev=self._evidence(), step=step)
+
+    def _judged(self, verdict: Verdict) -> bool:
+        """True when the verdict is healthy; otherwise the attempt ends as diverged with the verdict's kind (the
+        recovery policy reads it), and the verdict is recorded as an anomaly like any detector's finding."""
+        if verdict.healthy:
+            return True
+        res = self.result
+        onset = verdict.onset_step if verdict.onset_step is not None else self.start_step
+        res.outcome, res.detector, res.value = "diverged", verdict.kind, verdict.value
+        res.onset_step, res.reason = onset, verdict.reason
+        finding = Finding(step=max(res.final_step - 1, 0), kind=str(verdict.kind), detector="verdict",
+                          value=verdict.value, threshold=verdict.threshold, action=Action.rollback,
+                          details={"onset_step": onset, "reason": verdict.reason})
+        res.findings.append(finding.to_event())
+        if self.sink is not None:
+            self.sink.emit("anomaly", finding.to_event())
+        return False
+
     # ------------------------------------------------------------------------------------- checkpoints
     def checkpoint(self, step: int) -> SavedCheckpoint | None:
         """Write the full training state after ``step`` completed steps, with a health verdict (every rank
         calls it; rank 0 returns the checkpoint)."""
+        summary = self.detectors.loss_summary()
         healthy, verdict = health_verdict(self.module, loss=self._last_loss,
                                           loss_in_bounds=self.detectors.loss_in_bounds(self._last_loss),
-                                          anomalies=self._findings_since_checkpoint)
+                                          anomalies=self._findings_since_checkpoint, summary=summary,
+                                          regression_tolerance=self.recipe.success.regression_tolerance)
         self._findings_since_checkpoint = 0
         pending = self._pending_update_ratio
         return self.checkpointer.save(step, self.state, healthy=healthy, verdict=verdict, loss=self._last_loss,

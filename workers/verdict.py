@@ -100,7 +100,7 @@ def _fmt(x: float | None) -> str:
 def judge_progress(cfg: Success, *, smoothed_loss: float, ev: Evidence, step: int) -> Verdict:
     """The early check: has the run covered ``early_min_progress`` of the way to the floor by ``step``?"""
     p = progress(smoothed_loss, ev.initial_loss, ev.loss_floor)
-    if p is None or p >= cfg.early_min_progress:
+    if p is None or cfg.early_min_progress == 0.0 or p >= cfg.early_min_progress:
         return Verdict(None, "learning")
     floor = "its floor" if ev.loss_floor is None else f"the floor {_fmt(ev.loss_floor)}"
     return Verdict(
@@ -124,7 +124,7 @@ def judge_end(cfg: Success, ev: Evidence) -> Verdict:
     if final is None:
         return Verdict(DEGRADED, "no finite loss in the attempt's last steps", onset_step=ev.start_step)
     p = progress(final, ev.initial_loss, ev.loss_floor)
-    learned = p is None or p >= cfg.min_progress
+    learned = p is None or cfg.min_progress == 0.0 or p >= cfg.min_progress
     if ev.vanishing and not learned:
         return Verdict(
             VANISHING,

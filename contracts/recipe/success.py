@@ -15,11 +15,11 @@ class Success(Section):
     reached (a run that learned, then drifted back up, is degraded and is rolled back to its best checkpoint)."""
     min_progress: StrictFloat = Field(default=0.25, ge=0.0, le=1.0)
     """Real progress: the final loss must have covered this fraction of the way from the clean initial loss down
-    to the data's known loss floor (down to 0 when the floor is unknown)."""
+    to the data's known loss floor (down to 0 when the floor is unknown). 0 turns the rule off."""
     early_check_fraction: StrictFloat = Field(default=0.25, gt=0.0, le=1.0)
     """At this fraction of training.max_steps (and not before 3x the warmup), a run that has covered less than
     early_min_progress of that way has never learned: it is stopped then instead of at the end."""
     early_min_progress: StrictFloat = Field(default=0.05, ge=0.0, le=1.0)
-    """Fraction of the way to the floor the smoothed loss must have covered by the early check."""
+    """Fraction of the way to the floor the smoothed loss must have covered by the early check (0: no check)."""
     max_final_loss: StrictFloat | None = Field(default=None)
     """Your own bar: the final loss must be at most this (None: no bar)."""

@@ -79,3 +79,10 @@ def test_progress_and_early_check() -> None:
 def test_final_loss_is_the_mean_of_the_last_finite_losses() -> None:
     assert final_loss([5.0, 1.0, float("nan"), 3.0], 2) == pytest.approx(2.0)
     assert final_loss([float("inf")], 5) is None
+
+
+def test_zero_turns_the_progress_rules_off() -> None:
+    off = Success(min_progress=0.0, early_min_progress=0.0)
+    assert judge_end(off, ev(4.7, best=4.2)).kind == DEGRADED  # regression is still judged
+    assert judge_end(off, ev(4.3, best=4.2)).healthy
+    assert judge_progress(off, smoothed_loss=4.5, ev=ev(None), step=75).healthy

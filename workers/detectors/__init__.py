@@ -40,10 +40,11 @@ from workers.detectors.base import (
     diagnose_depth,
     stronger,
 )
+from workers.detectors.loss import LossSummary
 from workers.detectors.suite import DetectorSuite
 
 __all__ = [
     "INITIAL_LOSS_STEPS", "LOSS_STD_FLOOR", "MIN_DEPTH_POINTS", "MIN_PROGRESS", "NOISE_MARGIN", "OSCILLATION_FLOOR",
-    "STATE_VERSION", "Decision", "DetectorSuite", "Finding", "StepSignals", "depth_slope", "diagnose_depth",
-    "stronger",
+    "STATE_VERSION", "Decision", "DetectorSuite", "Finding", "LossSummary", "StepSignals", "depth_slope",
+    "diagnose_depth", "stronger",
 ]

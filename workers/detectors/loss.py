@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Any
 
 from contracts.recipe import (
@@ -19,6 +20,21 @@ from workers.detectors.base import (
     StepSignals,
     Streak,
 )
+
+
+@dataclass(frozen=True)
+class LossSummary:
+    """What the loss detector knows about the lineage, for checkpoint health and the outcome verdict."""
+
+    smoothed: float | None
+    """The EMA of the loss now."""
+    best: float | None
+    """The best (lowest) smoothed loss so far, and its step."""
+    best_step: int | None
+    initial: float | None
+    """The clean initial loss (``LossSpike.clean_initial``)."""
+    noise_std: float
+    """Batch-to-batch standard deviation of the loss."""
 
 
 class LossSpike(Detector):

@@ -12,7 +12,7 @@ from contracts.recipe import (
 )
 from workers.detectors.base import STATE_VERSION, Decision, Detector, Finding, StepSignals, stronger
 from workers.detectors.grad_norm import GradNormSpike
-from workers.detectors.loss import LossSpike
+from workers.detectors.loss import LossSpike, LossSummary
 from workers.detectors.nonfinite import NonFinite
 from workers.detectors.oscillation import Oscillation
 from workers.detectors.stagnation import Stagnation
@@ -88,6 +88,14 @@ class DetectorSuite:
         if not self.cfg.loss_spike.enabled:
             return math.isfinite(loss)
         return self.loss_spike.in_bounds(loss)
+
+    def loss_summary(self) -> LossSummary:
+        """The loss detector's view of the lineage (its state travels with checkpoints): smoothed, best, clean
+        initial loss and batch noise; all None (noise 0) while it has seen nothing or is disabled."""
+        det = self.loss_spike
+        if not self.cfg.loss_spike.enabled or det.ema.n == 0:
+            return LossSummary(None, None, None, det.clean_initial, det.noise_std)
+        return LossSummary(det.ema.mean, det.best, det.best_step, det.clean_initial, det.noise_std)
 
     @property
     def typical_grad_norm(self) -> float | None:
