@@ -12,7 +12,6 @@ from torch import nn
 from workers.checkpointing import health_verdict, materialize
 from workers.detectors import LossSummary
 
-
 CALM = LossSummary(smoothed=1.7, best=1.6, best_step=90, initial=4.2, noise_std=0.05)
 
 
