@@ -119,6 +119,19 @@ def test_autoscaler_options_only_with_autoscaling(default_render: Rendered, ci_r
     assert on["autoscalerOptions"]["idleTimeoutSeconds"] == idle
 
 
+def test_ray_pods_are_recreated_on_a_new_image_but_not_on_a_new_chart_version(
+    default_render: Rendered, render: Renderer
+) -> None:
+    spec = default_render.raycluster()["spec"]
+    assert spec["upgradeStrategy"] == {"type": "Recreate"}
+    templates = [spec["headGroupSpec"]["template"]] + [g["template"] for g in spec["workerGroupSpecs"]]
+    for t in templates:
+        assert "helm.sh/chart" not in t["metadata"]["labels"]
+    retagged = render({"image": {"tag": "0.2.0"}}).raycluster()["spec"]
+    assert retagged["headGroupSpec"]["template"] != spec["headGroupSpec"]["template"]
+    assert "upgradeStrategy" not in render({"rayCluster": {"upgradeStrategy": ""}}).raycluster()["spec"]
+
+
 def test_ray_version_is_set(default_render: Rendered) -> None:
     # KubeRay >= 1.6 probes Ray >= 2.53 over HTTP; older Ray versions get wget probes the image cannot run
     major, minor, *_ = (int(x) for x in default_render.raycluster()["spec"]["rayVersion"].split("."))

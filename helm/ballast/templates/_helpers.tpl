@@ -47,6 +47,17 @@ app.kubernetes.io/part-of: ballast
 app.kubernetes.io/component: {{ .component }}
 {{- end }}
 
+{{/*
+Labels of the Ray pod templates: no helm.sh/chart, so that a new chart version alone does not change the RayCluster
+spec (with upgradeStrategy Recreate, any spec change deletes every Ray pod); a new image tag does.
+*/}}
+{{- define "ballast.rayPodLabels" -}}
+{{ include "ballast.selectorLabels" .ctx }}
+app.kubernetes.io/version: {{ .ctx.Values.image.tag | default .ctx.Chart.AppVersion | quote }}
+app.kubernetes.io/part-of: ballast
+app.kubernetes.io/component: {{ .component }}
+{{- end }}
+
 {{/* Selector labels of one component: (dict "ctx" $ "component" "api"). */}}
 {{- define "ballast.componentSelectorLabels" -}}
 {{ include "ballast.selectorLabels" .ctx }}
