@@ -90,7 +90,7 @@ def api_pod(default_render: Rendered, tmp_path_factory: pytest.TempPathFactory) 
     proc = subprocess.Popen(_command(api), env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     url = f"http://{HOST}:{port}"
     try:
-        deadline = time.monotonic() + 90
+        deadline = time.monotonic() + 180
         while True:
             assert proc.poll() is None, f"the API exited {proc.returncode}: {proc.stdout.read() if proc.stdout else ''}"
             try:
@@ -98,13 +98,13 @@ def api_pod(default_render: Rendered, tmp_path_factory: pytest.TempPathFactory) 
                     break
             except httpx.TransportError:
                 pass
-            assert time.monotonic() < deadline, "the API did not answer /healthz within 90 s"
+            assert time.monotonic() < deadline, "the API did not answer /healthz within 180 s"
             time.sleep(0.2)
         yield ApiPod(url=url, env=env, ray_head=ray_head, proc=proc)
     finally:
         proc.send_signal(signal.SIGTERM)  # what the kubelet sends first
         try:
-            rc = proc.wait(timeout=30)
+            rc = proc.wait(timeout=60)
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait(timeout=10)
@@ -128,14 +128,14 @@ def test_admin_token_made_in_the_pod_works_from_the_cli(api_pod: ApiPod) -> None
     """docs/deploy.md's bootstrap: `ballast token create` with the API pod's environment (kubectl exec), then
     the CLI with --url and --token."""
     made = subprocess.run([BALLAST, "token", "create", "--name", "admin", "--scope", "admin", "--json"],
-                          env=api_pod.env, capture_output=True, text=True, timeout=60)
+                          env=api_pod.env, capture_output=True, text=True, timeout=120)
     assert made.returncode == 0, made.stderr
     token = json.loads(made.stdout)["token"]
     r = httpx.get(api_pod.url + "/api/v1/runs", headers={"Authorization": f"Bearer {token}"}, timeout=10)
     assert r.status_code == 200, r.text
     client_env = {"PATH": api_pod.env["PATH"], "HOME": api_pod.env["HOME"]}
     listed = subprocess.run([BALLAST, "runs", "list", "--url", api_pod.url, "--token", token, "--json"],
-                            env=client_env, capture_output=True, text=True, timeout=60)
+                            env=client_env, capture_output=True, text=True, timeout=120)
     assert listed.returncode == 0, listed.stderr
     assert json.loads(listed.stdout) is not None
     wrong = httpx.get(api_pod.url + "/api/v1/runs", headers={"Authorization": "Bearer blst_wrong"}, timeout=10)

@@ -172,6 +172,6 @@ def test_image_default_command_refuses_to_serve_unprotected(tmp_path: Path) -> N
     argv = json.loads(cmd)
     assert argv[:2] == ["ballast", "serve"]
     env = {"PATH": str(SCRIPTS), "HOME": str(tmp_path), "BALLAST_HOME": str(tmp_path / "home")}
-    out = _ballast(*argv[1:], env=env, timeout=60)
+    out = _ballast(*argv[1:], env=env, timeout=120)
     assert out.returncode == 2
     assert "BALLAST_AUTH_MODE=off is only allowed on a loopback bind" in out.stderr
