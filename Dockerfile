@@ -27,11 +27,8 @@ RUN case "$VARIANT" in \
       cuda) pip install "torch==${TORCH_VERSION}" ;; \
       *) echo "VARIANT must be cpu or cuda, not '$VARIANT'" >&2; exit 1 ;; \
     esac
-COPY pyproject.toml README.md /src/
-COPY api /src/api
-COPY orchestrator /src/orchestrator
-COPY workers /src/workers
-COPY migrations /src/migrations
+# the source tree as .dockerignore leaves it; pip installs the packages pyproject.toml names
+COPY . /src
 # ray[default] adds what a Ray node runs besides Ray Train: the dashboard, the Ray Client server (grpcio) and the
 # KubeRay autoscaler's dependencies
 RUN pip install /src "ray[default]==${RAY_VERSION}" \

@@ -131,15 +131,28 @@ def _ignored(path: str, patterns: list[str]) -> bool:
     return ignored
 
 
-def test_dockerignore_lets_in_exactly_what_the_dockerfile_copies() -> None:
+def _packages() -> list[str]:
+    """The top-level packages pyproject.toml installs (its packages.find include patterns)."""
+    import fnmatch
+
+    include = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"]["find"]["include"]
+    tops = {p.rstrip("*").rstrip(".") for p in include}
+    return sorted(d.name for d in REPO.iterdir()
+                  if (d / "__init__.py").exists() and any(fnmatch.fnmatch(d.name, t) for t in tops))
+
+
+def test_build_context_holds_the_packages_and_leaves_out_local_state() -> None:
     patterns = [line.strip() for line in DOCKERIGNORE.read_text().splitlines()
                 if line.strip() and not line.startswith("#")]
-    copied = [src for args in re.findall(r"^COPY (?!--from)(.+)$", DOCKERFILE.read_text(), flags=re.M)
-              for src in args.split()[:-1]]
-    assert {"pyproject.toml", "api", "migrations", "docker/constraints.txt"} <= set(copied)
-    for src in copied:
-        assert (REPO / src).exists(), src
-        assert not _ignored(src, patterns), f"{src} is copied but .dockerignore leaves it out"
+    assert re.search(r"^COPY \. /src$", DOCKERFILE.read_text(), flags=re.M)
+    packages = _packages()
+    assert {"api", "orchestrator", "workers", "migrations"} <= set(packages)
+    needed = ["pyproject.toml", "README.md", "docker/constraints.txt"]
+    needed += [f"{pkg}/__init__.py" for pkg in packages]
+    needed += [str(p.relative_to(REPO)) for p in (REPO / "migrations" / "versions").glob("*.py")]
+    for path in needed:
+        assert (REPO / path).exists(), path
+        assert not _ignored(path, patterns), f"{path} is needed by the build but .dockerignore leaves it out"
     for local in (".git/HEAD", ".venv/bin/python", ".ballast/ballast.db", "tests/conftest.py",
                   "helm/ballast/values.yaml", "api/__pycache__/app.cpython-311.pyc", "ballast.egg-info/PKG-INFO"):
         assert _ignored(local, patterns), f"{local} would be sent to the Docker build"
