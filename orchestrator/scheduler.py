@@ -68,7 +68,8 @@ from orchestrator.policy.states import (
 )
 from orchestrator.settings import Settings
 from orchestrator.store.db import transaction
-from orchestrator.store.ingest import finite_or_none, ingest_events, jsonable
+from orchestrator.store.ingest import ingest_events, jsonable
+from orchestrator.store.ingest import number_or_none as finite_or_none
 from orchestrator.store.models import Attempt, CheckpointRow, Run, utcnow
 from orchestrator.store.repo import set_attempt_state, set_run_state
 
