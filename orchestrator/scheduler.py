@@ -5,7 +5,7 @@ One loop (``tick``), run in a background thread by ``ballast serve`` (``start``/
 by ``ballast scheduler`` (``run_forever``). Each tick:
 
 1. renews the lease of every run this scheduler drives (``runs.claimed_by`` / ``lease_expires_at``);
-2. polls each run's channel actor (``orchestrator.events.RunChannel``): ingests its events
+2. polls each run's channel actor (``orchestrator.channel.RunChannel``): ingests its events
    (``orchestrator.store.ingest``), answers in-place recovery requests, passes on cancellation, and when the
    worker group has ended maps its outcome onto the attempt and asks the policy what comes next;
 3. adopts active runs whose lease expired (their scheduler died): reattaches to their channel actor if their
@@ -49,7 +49,7 @@ from contracts import checkpoint as contracts_checkpoint
 from contracts.checkpoint import CorruptCheckpoint, checkpoints_to_delete, local_dir
 from contracts.recipe import CustomData, CustomModel, Recipe, RecipeError, validate_recipe_data
 from contracts.wire import AttemptSpec
-from orchestrator.events import NAMESPACE, channel_actor_class
+from orchestrator.channel import NAMESPACE, channel_actor_class
 from orchestrator.policy.recovery import (
     ATTEMPT_KINDS,
     AttemptRecord,

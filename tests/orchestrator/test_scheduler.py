@@ -1,7 +1,7 @@
 """The scheduler's decisions on both backends, with a scripted launcher in place of Ray (fast; the same paths run
 against real Ray in ``test_scheduler_e2e.py``).
 
-The fake channel behaves like ``orchestrator.events.RunChannel`` as the scheduler sees it: events with per-attempt
+The fake channel behaves like ``orchestrator.channel.RunChannel`` as the scheduler sees it: events with per-attempt
 seq numbers (dropped once acked), open plan requests, the fit's state; ``kill`` makes it unreachable.
 """
 
