@@ -63,12 +63,17 @@ def with_verdict(raw: Mapping[str, Any] | None, verdict: str, error: str | None 
     return data
 
 
+END_EVENT_DATA = ("final_step", "onset_step", "detector")
+"""The ``EndEvent`` fields an attempt's end writes into the audit log: where it ended, and what ended it."""
+
+
 def end_event_data(attempt: Attempt) -> dict[str, Any]:
-    """The audit-log data of an attempt's end: where it ended, and what ended it."""
-    end = StoredOutcome.read(attempt.outcome).end
+    """The audit-log data of an attempt's end (the fields its end event sent; every one from a real worker)."""
+    raw = attempt.outcome or {}
+    end = StoredOutcome.read(raw).end
     if end is None:
         return {}
-    return {"final_step": end.final_step, "onset_step": end.onset_step, "detector": end.detector}
+    return {k: getattr(end, k) for k in END_EVENT_DATA if k in raw}
 
 
 def attempt_record(attempt: Attempt, outcome: AttemptState | None = None) -> AttemptRecord:
