@@ -14,8 +14,8 @@ from __future__ import annotations
 import asyncio
 import signal
 import threading
-from collections.abc import AsyncIterator, Callable, Iterator
-from contextlib import asynccontextmanager, contextmanager
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
 from types import FrameType
 from typing import TYPE_CHECKING, Annotated, Any
 
@@ -179,30 +179,12 @@ def scheduler(
     """Run only the scheduler (claims queued runs, runs them on Ray); for deployments with several API replicas."""
     settings = get_settings()
     factory = _prepare_database(settings, migrate)
-    from orchestrator.scheduler import Scheduler
+    from orchestrator.scheduler import Scheduler, stop_on_signals
 
     sched = Scheduler(settings, factory)
     typer.echo(f"ballast: scheduler running (database {_redacted(settings.database_url)}, "
                f"ray {settings.ray_address or 'local'})", err=True)
-    with _stop_on_signals(sched):
+    with stop_on_signals(sched.stop):
         sched.run_forever()
     typer.echo("ballast: scheduler stopped", err=True)
 
-
-@contextmanager
-def _stop_on_signals(sched: Any) -> Iterator[None]:
-    """SIGINT/SIGTERM end ``run_forever`` after its current tick; a second one stops waiting for it."""
-    stopping = threading.Event()
-
-    def _stop(signum: int, _frame: FrameType | None) -> None:
-        if stopping.is_set():
-            raise SystemExit(1)
-        stopping.set()
-        sched.stop()  # sets an event; the loop notices within one poll period
-
-    previous = {sig: signal.signal(sig, _stop) for sig in (signal.SIGINT, signal.SIGTERM)}
-    try:
-        yield
-    finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)

@@ -210,7 +210,7 @@ def _train_ray(spec: Any, sink: ProgressSink) -> dict[str, Any]:
     """N workers through a local Ray Train run; events come back through a channel actor polled here."""
     import ray
 
-    from orchestrator.events import channel_actor_class
+    from orchestrator.channel import channel_actor_class
 
     recipe = spec.recipe
     started_ray = False

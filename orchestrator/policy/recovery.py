@@ -556,3 +556,16 @@ def _numeric_retry(
         data_offset=data_offset,
         reason=reason,
     )
+
+
+# ------------------------------------------------------------------------------------------ manual retry
+def manual_retry_checkpoint(
+    history: Sequence[AttemptRecord], checkpoints: Sequence[CheckpointRecord]
+) -> CheckpointRecord | None:
+    """Where a manual retry resumes: the newest valid, healthy checkpoint of the lineage of ``history[-1]`` (the
+    run's last ended attempt), as a numeric retry would see it without an onset to stay clear of; None
+    (initialisation) when there is none or no attempt has ended."""
+    if not history:
+        return None
+    candidates = [c for c in _lineage(history, checkpoints) if c.valid and c.healthy]
+    return candidates[-1] if candidates else None

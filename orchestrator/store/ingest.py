@@ -31,6 +31,7 @@ from typing import Any
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.orm import Session
 
+from contracts.wire import finite_or_none
 from orchestrator.store.models import AnomalyRow, Attempt, CheckpointRow, MetricPoint, Run
 
 
@@ -47,15 +48,14 @@ class IngestResult:
     steps: list[int] = field(default_factory=list)
 
 
-def finite_or_none(x: Any) -> float | None:
-    """A float column value: None for missing or non-finite numbers."""
+def number_or_none(x: Any) -> float | None:
+    """A float column value: None for missing, non-numeric (bools included) or non-finite values."""
     if x is None or isinstance(x, bool):
         return None
     try:
-        f = float(x)
+        return finite_or_none(float(x))
     except (TypeError, ValueError):
         return None
-    return f if math.isfinite(f) else None
 
 
 def jsonable(x: Any) -> Any:
@@ -94,6 +94,96 @@ def _int(x: Any, default: int = 0) -> int:
         return default
 
 
+@dataclass
+class _Rows:
+    """One batch turned into rows and aggregates, before anything is written."""
+
+    run_id: int
+    attempt_id: int
+    metrics_every_steps: int
+    anomaly_steps: set[int]
+    """Steps with an anomaly in this batch: their metric points are always kept."""
+    final_step: int
+    """The attempt's final step, when the batch ends it (else -1): always kept."""
+    metrics: list[dict[str, Any]] = field(default_factory=list)
+    anomalies: list[dict[str, Any]] = field(default_factory=list)
+    checkpoints: list[dict[str, Any]] = field(default_factory=list)
+    best: float | None = None
+    last_step: int | None = None
+    layer_stats: dict[str, Any] | None = None
+
+    def add(self, ev: Mapping[str, Any]) -> None:
+        kind, data = ev.get("type"), ev.get("data") or {}
+        step = data.get("step")
+        if step is not None:
+            self.last_step = max(self.last_step if self.last_step is not None else -1, _int(step))
+        if kind == "metric":
+            self._metric(data)
+        elif kind == "anomaly":
+            self._anomaly(_int(ev.get("seq")), data)
+        elif kind == "checkpoint":
+            self._checkpoint(data)
+        elif kind == "layer_stats":
+            if self.layer_stats is None or _int(step) >= _int(self.layer_stats.get("step")):
+                self.layer_stats = dict(jsonable(data))
+
+    def _metric(self, data: Mapping[str, Any]) -> None:
+        step = _int(data.get("step"))
+        loss = number_or_none(data.get("loss"))
+        skipped = bool(data.get("skipped", False))
+        if loss is not None and not skipped:
+            self.best = loss if self.best is None else min(self.best, loss)
+        keep = (
+            step % self.metrics_every_steps == 0
+            or skipped
+            or loss is None
+            or step in self.anomaly_steps
+            or step == self.final_step
+        )
+        if keep:
+            self.metrics.append({
+                "run_id": self.run_id,
+                "attempt_id": self.attempt_id,
+                "step": step,
+                "loss": loss,
+                **{k: number_or_none(data.get(k))
+                   for k in ("grad_norm", "grad_norm_clipped", "lr", "loss_scale", "throughput")},
+                "skipped": skipped,
+            })
+
+    def _anomaly(self, seq: int, data: Mapping[str, Any]) -> None:
+        details = dict(jsonable(data.get("details") or {}))
+        for key in ("value", "threshold"):
+            raw = data.get(key)
+            if raw is not None and number_or_none(raw) is None:
+                details.setdefault(key, jsonable(raw))
+        self.anomalies.append({
+            "run_id": self.run_id,
+            "attempt_id": self.attempt_id,
+            "seq": seq,
+            "step": _int(data.get("step")),
+            "rank": _int(data.get("rank")),
+            "kind": str(data.get("kind", "unknown"))[:40],
+            "detector": str(data.get("detector", data.get("kind", "unknown")))[:40],
+            "value": number_or_none(data.get("value")),
+            "threshold": number_or_none(data.get("threshold")),
+            "action": str(data.get("action", "record"))[:16],
+            "details": details,
+        })
+
+    def _checkpoint(self, data: Mapping[str, Any]) -> None:
+        self.checkpoints.append({
+            "run_id": self.run_id,
+            "attempt_id": self.attempt_id,
+            "step": _int(data.get("step")),
+            "uri": str(data.get("uri", "")),
+            "sha256": str(data.get("sha256", ""))[:64],
+            "healthy": bool(data.get("healthy", False)),
+            "verdict": jsonable(data.get("verdict") or {}),
+            "metrics": jsonable(data.get("metrics") or {}),
+        })
+
+
 def ingest_events(
     *,
     session: Session,
@@ -110,109 +200,48 @@ def ingest_events(
     if not evs:
         return res
     res.max_seq = max(_int(e.get("seq")) for e in evs)
-    anomaly_steps = {_int(e["data"].get("step"), -1) for e in evs if e.get("type") == "anomaly"}
     end = next((dict(e["data"]) for e in reversed(evs) if e.get("type") == "end"), None)
-    final_step = _int(end.get("final_step"), -1) if end is not None else -1
-
-    metric_rows: list[dict[str, Any]] = []
-    anomaly_rows: list[dict[str, Any]] = []
-    checkpoint_rows: list[dict[str, Any]] = []
-    best: float | None = None
-    last_step: int | None = None
-    layer_stats: dict[str, Any] | None = None
+    rows = _Rows(
+        run_id=run.id, attempt_id=attempt.id, metrics_every_steps=metrics_every_steps,
+        anomaly_steps={_int(e["data"].get("step"), -1) for e in evs if e.get("type") == "anomaly"},
+        final_step=_int(end.get("final_step"), -1) if end is not None else -1,
+    )
     for ev in evs:
-        kind, data = ev.get("type"), ev.get("data") or {}
-        step = data.get("step")
-        if step is not None:
-            last_step = max(last_step if last_step is not None else -1, _int(step))
-        if kind == "metric":
-            step_i = _int(step)
-            loss = finite_or_none(data.get("loss"))
-            skipped = bool(data.get("skipped", False))
-            if loss is not None and not skipped:
-                best = loss if best is None else min(best, loss)
-            keep = (
-                step_i % metrics_every_steps == 0
-                or skipped
-                or loss is None
-                or step_i in anomaly_steps
-                or step_i == final_step
-            )
-            if keep:
-                metric_rows.append(
-                    {
-                        "run_id": run.id,
-                        "attempt_id": attempt.id,
-                        "step": step_i,
-                        "loss": loss,
-                        "grad_norm": finite_or_none(data.get("grad_norm")),
-                        "grad_norm_clipped": finite_or_none(data.get("grad_norm_clipped")),
-                        "lr": finite_or_none(data.get("lr")),
-                        "loss_scale": finite_or_none(data.get("loss_scale")),
-                        "throughput": finite_or_none(data.get("throughput")),
-                        "skipped": skipped,
-                    }
-                )
-        elif kind == "anomaly":
-            details = dict(jsonable(data.get("details") or {}))
-            for key in ("value", "threshold"):
-                raw = data.get(key)
-                if raw is not None and finite_or_none(raw) is None:
-                    details.setdefault(key, jsonable(raw))
-            anomaly_rows.append(
-                {
-                    "run_id": run.id,
-                    "attempt_id": attempt.id,
-                    "seq": _int(ev.get("seq")),
-                    "step": _int(step),
-                    "rank": _int(data.get("rank")),
-                    "kind": str(data.get("kind", "unknown"))[:40],
-                    "detector": str(data.get("detector", data.get("kind", "unknown")))[:40],
-                    "value": finite_or_none(data.get("value")),
-                    "threshold": finite_or_none(data.get("threshold")),
-                    "action": str(data.get("action", "record"))[:16],
-                    "details": details,
-                }
-            )
-        elif kind == "checkpoint":
-            checkpoint_rows.append(
-                {
-                    "run_id": run.id,
-                    "attempt_id": attempt.id,
-                    "step": _int(step),
-                    "uri": str(data.get("uri", "")),
-                    "sha256": str(data.get("sha256", ""))[:64],
-                    "healthy": bool(data.get("healthy", False)),
-                    "verdict": jsonable(data.get("verdict") or {}),
-                    "metrics": jsonable(data.get("metrics") or {}),
-                }
-            )
-        elif kind == "layer_stats":
-            if layer_stats is None or _int(step) >= _int(layer_stats.get("step")):
-                layer_stats = dict(jsonable(data))
+        rows.add(ev)
 
-    res.metrics = _insert_ignore(session, MetricPoint.__table__, ("attempt_id", "step"), metric_rows)
-    res.anomalies = _insert_ignore(session, AnomalyRow.__table__, ("attempt_id", "seq"), anomaly_rows)
-    res.checkpoints = _insert_ignore(session, CheckpointRow.__table__, ("attempt_id", "step"), checkpoint_rows)
-    res.steps = sorted({r["step"] for r in metric_rows})
-
+    res.metrics = _insert_ignore(session, MetricPoint.__table__, ("attempt_id", "step"), rows.metrics)
+    res.anomalies = _insert_ignore(session, AnomalyRow.__table__, ("attempt_id", "seq"), rows.anomalies)
+    res.checkpoints = _insert_ignore(session, CheckpointRow.__table__, ("attempt_id", "step"), rows.checkpoints)
+    res.steps = sorted({r["step"] for r in rows.metrics})
+    last_step = rows.last_step
     if end is not None:
-        last_step = max(last_step if last_step is not None else -1, final_step) if final_step >= 0 else last_step
-        attempt.outcome = jsonable(end)
-        onset = end.get("onset_step")
-        attempt.onset_step = _int(onset) if onset is not None else None
+        if rows.final_step >= 0:
+            last_step = max(last_step if last_step is not None else -1, rows.final_step)
+        _record_end(attempt, end)
         res.end = end
-    if layer_stats is not None:
+    _update_aggregates(run, attempt, rows, last_step, res.max_seq)
+    session.flush()
+    return res
+
+
+def _record_end(attempt: Attempt, end: Mapping[str, Any]) -> None:
+    """The ``end`` event, stored whole (a newer worker's extra keys included); the onset also in its column."""
+    attempt.outcome = jsonable(end)
+    onset = end.get("onset_step")
+    attempt.onset_step = _int(onset) if onset is not None else None
+
+
+def _update_aggregates(run: Run, attempt: Attempt, rows: _Rows, last_step: int | None, max_seq: int) -> None:
+    """Maxima and minima only, so a redelivered batch changes nothing."""
+    if rows.layer_stats is not None:
         current = (attempt.ray_info or {}).get("layer_stats") or {}
-        if _int(layer_stats.get("step")) >= _int(current.get("step"), -1):
-            attempt.ray_info = {**(attempt.ray_info or {}), "layer_stats": layer_stats}
+        if _int(rows.layer_stats.get("step")) >= _int(current.get("step"), -1):
+            attempt.ray_info = {**(attempt.ray_info or {}), "layer_stats": rows.layer_stats}
     if last_step is not None and last_step >= 0:
         attempt.last_step = last_step if attempt.last_step is None else max(attempt.last_step, last_step)
         if attempt.number >= run.current_attempt:
             # the run is where its newest attempt is (a rollback moves it back)
             run.last_step = attempt.last_step
-    if best is not None:
-        run.best_loss = best if run.best_loss is None else min(run.best_loss, best)
-    attempt.last_seq = max(attempt.last_seq or 0, res.max_seq)
-    session.flush()
-    return res
+    if rows.best is not None:
+        run.best_loss = rows.best if run.best_loss is None else min(run.best_loss, rows.best)
+    attempt.last_seq = max(attempt.last_seq or 0, max_seq)

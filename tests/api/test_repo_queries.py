@@ -8,7 +8,10 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from orchestrator.store.repo import BadCursor, _decode_cursor, _encode_cursor, downsample_min_max
+from orchestrator.store.paging import BadCursor
+from orchestrator.store.paging import decode_cursor as _decode_cursor
+from orchestrator.store.paging import encode_cursor as _encode_cursor
+from orchestrator.store.queries import downsample_min_max
 
 
 def test_short_series_is_untouched() -> None:

@@ -18,6 +18,7 @@ from orchestrator.policy.recovery import (
     RecoveryPlan,
     decide,
     effective_values,
+    manual_retry_checkpoint,
     normalize_overrides,
 )
 
@@ -146,6 +147,20 @@ def test_checkpoints_of_an_abandoned_branch_are_never_resumed() -> None:
     # and with no own checkpoints, the lineage continues below 600 in attempt 1, never 700/800 of attempt 1
     second = follow(diverged(1, 812), first, 2, onset=850)
     assert plan(r, [diverged(1, 812), second], EVERY_100).resume_step == 600
+
+
+def test_a_manual_retry_resumes_from_the_newest_valid_healthy_checkpoint_of_the_lineage() -> None:
+    r = recipe(recovery={"rollback_margin_steps": 200, "early_failure_steps": 0})
+    first = plan(r, [diverged(1, 812)], EVERY_100)
+    second = follow(diverged(1, 812), first, 2, onset=1050)
+    own = cps(2, [700], start_id=20) + cps(2, [800], start_id=21, healthy=False)
+    history = [diverged(1, 812), second]
+    assert manual_retry_checkpoint(history, EVERY_100 + own) == own[0]  # never attempt 1's 700 or 800
+    corrupt = [CheckpointRecord(20, 2, 700, "file:///ck/2/700", True, valid=False)]
+    got = manual_retry_checkpoint(history, EVERY_100 + corrupt)
+    assert got is not None and got.step == 600
+    assert manual_retry_checkpoint([], EVERY_100) is None
+    assert manual_retry_checkpoint([crashed(1)], []) is None
 
 
 # -------------------------------------------------------------------------------------- diverged: tightening

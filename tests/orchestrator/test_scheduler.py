@@ -1,190 +1,38 @@
 """The scheduler's decisions on both backends, with a scripted launcher in place of Ray (fast; the same paths run
 against real Ray in ``test_scheduler_e2e.py``).
 
-The fake channel behaves like ``orchestrator.events.RunChannel`` as the scheduler sees it: events with per-attempt
-seq numbers (dropped once acked), open plan requests, the fit's state; ``kill`` makes it unreachable.
+The fake channel (``tests/orchestrator/fakes.py``) behaves like ``orchestrator.channel.RunChannel`` as the
+scheduler sees it: events with per-attempt seq numbers (dropped once acked), open plan requests, the fit's state;
+``kill`` makes it unreachable.
 """
 
 from __future__ import annotations
 
 import threading
-from collections.abc import Mapping
-from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
 import pytest
 import sqlalchemy as sa
-import torch
-import yaml
 from sqlalchemy.orm import Session, sessionmaker
 
-import orchestrator.scheduler as sched_mod
-from contracts.recipe import validate_recipe_data
-from orchestrator.scheduler import ChannelLost, Scheduler
-from orchestrator.settings import Settings
+import orchestrator.scheduler.service as service_mod
+from orchestrator.scheduler import Scheduler
 from orchestrator.store.db import make_engine, make_session_factory, transaction
-from orchestrator.store.models import AnomalyRow, Attempt, CheckpointRow, Event, MetricPoint, Run, utcnow
-from orchestrator.store.repo import create_run, request_cancel
-from workers.checkpoint import save_checkpoint
-
-
-# ------------------------------------------------------------------------------------------ fake compute
-class FakeChannel:
-    def __init__(self, name: str, run_id: int, attempt: int, launch: dict[str, Any]) -> None:
-        self.name, self.run_id, self.first_attempt, self.launch = name, run_id, attempt, launch
-        self.events: list[dict[str, Any]] = []
-        self.seq: dict[int, int] = {}
-        self.requests: dict[int, dict[str, Any]] = {}
-        self.answers: dict[int, dict[str, Any] | None] = {}
-        self.fit: dict[str, Any] = {"state": "running", "error": None}
-        self.stop = False
-        self.killed = False
-
-    def emit(self, attempt: int, type: str, data: dict[str, Any]) -> None:
-        self.seq[attempt] = self.seq.get(attempt, 0) + 1
-        self.events.append({"attempt": attempt, "seq": self.seq[attempt], "type": type, "data": data})
-
-    def metrics(self, attempt: int, steps: range, loss: float = 2.0) -> None:
-        for step in steps:
-            self.emit(attempt, "metric", {"step": step, "loss": loss, "grad_norm": 1.0, "lr": 1e-3,
-                                          "skipped": False})
-
-    def checkpoint(self, attempt: int, step: int, root: Path, healthy: bool = True) -> str:
-        """A real (tiny) checkpoint on disk, announced like the engine does; returns its path."""
-        info = save_checkpoint(root / f"a{attempt}" / f"step_{step:08d}", {"model": {"w": torch.ones(2)}},
-                               meta={"step": step, "healthy": healthy})
-        self.emit(attempt, "checkpoint", {"step": step, "uri": str(info.path), "sha256": info.sha256,
-                                          "healthy": healthy, "verdict": {"weights_finite": True}, "metrics": {}})
-        return str(info.path)
-
-    def diverge(self, attempt: int, onset: int) -> dict[str, Any]:
-        self.emit(attempt, "anomaly", {"step": onset, "rank": 0, "kind": "grad_norm_spike",
-                                       "detector": "grad_norm_spike", "value": 9e3, "threshold": 6.0,
-                                       "action": "rollback", "details": {}})
-        end = {"outcome": "diverged", "final_step": onset, "onset_step": onset, "detector": "grad_norm_spike",
-               "value": 9e3, "reason": "spike", "median_grad_norm": 1.0, "loss_scale_collapsed": False}
-        self.emit(attempt, "end", end)
-        return end
-
-    def succeed(self, attempt: int, final: int) -> None:
-        self.emit(attempt, "end", {"outcome": "succeeded", "final_step": final, "onset_step": None})
-        self.fit = {"state": "done", "error": None}
-
-
-class FakeLauncher:
-    def __init__(self, cpus: float = 8.0) -> None:
-        self.cpus = cpus
-        self.channels: dict[str, FakeChannel] = {}
-        self.launches: list[FakeChannel] = []
-        self.lock = threading.Lock()
-
-    def connect(self) -> None:
-        return None
-
-    def shutdown(self) -> None:
-        return None
-
-    def free_cpus(self) -> float | None:
-        busy = sum(c.launch["num_workers"] * c.launch["cpus_per_worker"] for c in self.channels.values()
-                   if not c.killed and c.fit["state"] == "running")
-        return float(self.cpus - busy)
-
-    def launch(self, *, name: str, run_id: int, attempt: int, launch: dict[str, Any]) -> FakeChannel:
-        ch = FakeChannel(name, run_id, attempt, launch)
-        with self.lock:
-            self.channels[name] = ch
-            self.launches.append(ch)
-        return ch
-
-    def attach(self, name: str) -> FakeChannel | None:
-        ch = self.channels.get(name)
-        return ch if ch is not None and not ch.killed else None
-
-    def poll(self, handle: FakeChannel, acked: Mapping[int, int]) -> dict[str, Any] | None:
-        if handle.killed:
-            raise ChannelLost("actor died")
-        handle.events = [e for e in handle.events if e["seq"] > acked.get(e["attempt"], 0)]
-        return {"events": list(handle.events),
-                "plan_requests": [r for a, r in handle.requests.items() if a not in handle.answers],
-                "fit": dict(handle.fit), "stop": handle.stop}
-
-    def request_stop(self, handle: FakeChannel) -> None:
-        handle.stop = True
-
-    def answer_plan(self, handle: FakeChannel, attempt: int, plan: dict[str, Any] | None) -> None:
-        handle.answers[attempt] = plan
-
-    def kill(self, handle: FakeChannel) -> None:
-        handle.killed = True
-
-    def of_run(self, run_id: int) -> list[FakeChannel]:
-        return [c for c in self.launches if c.run_id == run_id]
-
-
-# ---------------------------------------------------------------------------------------------- helpers
-RECIPE: dict[str, Any] = {
-    "name": "sched-test",
-    "model": {"name": "tiny_gpt", "vocab_size": 16, "context": 8, "n_layers": 1, "n_heads": 1, "d_model": 8},
-    "data": {"name": "markov", "vocab_size": 16, "seq_len": 8},
-    "training": {"max_steps": 100},
-    "optimizer": {"name": "adamw", "lr": 0.002},
-    "checkpoint": {"every_steps": 10, "keep": 2},
-    "recovery": {"max_retries": 2, "max_crash_restarts": 2},
-}
-
-
-def recipe_doc(**sections: dict[str, Any]) -> dict[str, Any]:
-    doc = {k: (dict(v) if isinstance(v, dict) else v) for k, v in RECIPE.items()}
-    for key, value in sections.items():
-        doc[key] = {**doc.get(key, {}), **value}
-    return doc
-
-
-def submit(factory: sessionmaker[Session], doc: dict[str, Any] | None = None) -> int:
-    doc = doc or recipe_doc()
-    with transaction(factory) as s:
-        run, _ = create_run(session=s, owner="alice", recipe=validate_recipe_data(doc), text=yaml.safe_dump(doc))
-        return run.id
-
-
-def make_settings(db_url: str, tmp_path: Path, **kw: Any) -> Settings:
-    kw.setdefault("max_concurrent_runs", 4)
-    return Settings(home=tmp_path, database_url=db_url, checkpoint_root=str(tmp_path / "ckpt"),
-                    scheduler_poll_seconds=0.1, **kw)
-
-
-def load(factory: sessionmaker[Session], run_id: int) -> Run:
-    with transaction(factory) as s:
-        run = s.get(Run, run_id)
-        assert run is not None
-        _ = [a.outcome for a in run.attempts]  # load while the session is open
-        return run
-
-
-def attempts(factory: sessionmaker[Session], run_id: int) -> list[Attempt]:
-    with transaction(factory) as s:
-        return list(s.scalars(sa.select(Attempt).where(Attempt.run_id == run_id).order_by(Attempt.number)))
-
-
-def run_events(factory: sessionmaker[Session], run_id: int) -> list[tuple[str, str | None, str]]:
-    with transaction(factory) as s:
-        rows = s.scalars(sa.select(Event).where(Event.run_id == run_id).order_by(Event.id))
-        return [(e.entity, e.from_state, e.to_state) for e in rows]
-
-
-@pytest.fixture
-def launcher() -> FakeLauncher:
-    return FakeLauncher()
-
-
-@pytest.fixture
-def make_scheduler(db_url: str, tmp_path: Path, session_factory: sessionmaker[Session],
-                   launcher: FakeLauncher) -> Any:
-    def make(scheduler_id: str = "sched-a", **kw: Any) -> Scheduler:
-        return Scheduler(make_settings(db_url, tmp_path, **kw), session_factory, scheduler_id, launcher=launcher)
-
-    return make
+from orchestrator.store.models import AnomalyRow, CheckpointRow, Event, MetricPoint, Run
+from orchestrator.store.repo import request_cancel
+from tests.orchestrator.fakes import (
+    FakeChannel,
+    FakeLauncher,
+    attempts,
+    ckpt_path,
+    load,
+    make_settings,
+    orphan,
+    recipe_doc,
+    run_events,
+    submit,
+)
 
 
 # ------------------------------------------------------------------------------------------------ claim
@@ -295,8 +143,6 @@ def _diverge_with_checkpoints(ch: FakeChannel, tmp_path: Path, onset: int = 25) 
     return ch.diverge(1, onset)
 
 
-def ckpt_path(tmp_path: Path, step: int, attempt: int = 1) -> str:
-    return str(tmp_path / "ckpt" / f"a{attempt}" / f"step_{step:08d}")
 
 
 def test_in_place_recovery_answers_the_workers_with_the_next_attempt(
@@ -478,7 +324,7 @@ def test_cancel_kills_workers_that_do_not_stop(
     session_factory: sessionmaker[Session], make_scheduler: Any, launcher: FakeLauncher,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    monkeypatch.setattr(sched_mod, "CANCEL_GRACE_S", -1.0)
+    monkeypatch.setattr(service_mod, "CANCEL_GRACE_S", -1.0)
     run_id = submit(session_factory)
     scheduler = make_scheduler()
     scheduler.tick()
@@ -498,13 +344,6 @@ def test_cancel_kills_workers_that_do_not_stop(
 
 
 # ------------------------------------------------------------------------------------------ crash safety
-def _orphan(factory: sessionmaker[Session], run_id: int) -> None:
-    """What a dead scheduler leaves behind: its claim, with the lease lapsed."""
-    with transaction(factory) as s:
-        s.execute(sa.update(Run).where(Run.id == run_id)
-                  .values(claimed_by="other-host:1:dead", lease_expires_at=utcnow() - timedelta(seconds=5)))
-
-
 def test_a_new_scheduler_reattaches_to_work_that_still_runs(
     session_factory: sessionmaker[Session], make_scheduler: Any, launcher: FakeLauncher
 ) -> None:
@@ -514,7 +353,7 @@ def test_a_new_scheduler_reattaches_to_work_that_still_runs(
     ch = launcher.of_run(run_id)[0]
     ch.metrics(1, range(5))
     old.tick()
-    _orphan(session_factory, run_id)
+    orphan(session_factory, run_id)
     ch.metrics(1, range(5, 9))  # the worker group carried on while nobody drained it
     new = make_scheduler("sched-new")
     new.tick()
@@ -541,7 +380,7 @@ def test_a_new_scheduler_resumes_runs_whose_work_is_gone(
     ch.metrics(1, range(12))
     ch.checkpoint(1, 10, tmp_path / "ckpt")
     old.tick()
-    _orphan(session_factory, run_id)
+    orphan(session_factory, run_id)
     ch.killed = True  # the local Ray died with the old scheduler
     new = make_scheduler("sched-new")
     new.tick()

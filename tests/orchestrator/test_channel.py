@@ -14,8 +14,8 @@ from typing import Any
 
 import pytest
 
-import orchestrator.events as events_mod
-from orchestrator.events import NAMESPACE, RunChannel, channel_actor_class
+import orchestrator.channel as channel_mod
+from orchestrator.channel import NAMESPACE, RunChannel, channel_actor_class
 from workers.ray_sink import ActorSink
 
 
@@ -53,7 +53,7 @@ def test_a_stop_request_answers_an_open_plan_request_with_none() -> None:
 
 
 def test_an_undrained_backlog_drops_old_metrics_first(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(events_mod, "MAX_BUFFERED_EVENTS", 5)
+    monkeypatch.setattr(channel_mod, "MAX_BUFFERED_EVENTS", 5)
     ch = RunChannel(run_id=7, first_attempt=1)
     ch.push([ev(1, 1, "checkpoint"), ev(1, 2), ev(1, 3), ev(1, 4, "anomaly"), ev(1, 5), ev(1, 6), ev(1, 7, "end")])
     kept = ch.poll()

@@ -15,6 +15,11 @@ drops those, so an event is delivered until the store has it — and the store's
 The in-place recovery handshake: rank 0 of a diverged attempt calls ``request_plan(attempt, end)`` and then
 polls ``get_plan(attempt)``; the scheduler sees the request in ``poll()``, records the decision and calls
 ``answer_plan(attempt, plan_or_None)``. ``None`` means "end the attempt; the scheduler restarts or gives up".
+
+When the fit fails, the channel keeps the error as text and, when Ray Train reports per-rank failures
+(``ray.train.WorkerGroupError.worker_failures``: rank → exception), also as plain :class:`WorkerFailure`
+records, so the scheduler summarises a crash from structure rather than from the text
+(``orchestrator.scheduler.failures``).
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ import threading
 import time
 import traceback
 from collections.abc import Mapping
+from dataclasses import asdict, dataclass
 from typing import Any
 
 NAMESPACE = "ballast"
@@ -33,6 +39,7 @@ MAX_BUFFERED_EVENTS = 200_000
 """Beyond this many undelivered events (no scheduler for a long while) the oldest metric events are dropped;
 anomalies, checkpoints and outcomes are always kept."""
 MAX_ERROR_CHARS = 8000
+MAX_FAILURE_MESSAGE_CHARS = 2000
 CONTROLLER_POLL_S = "0.25"
 """Ray Train V2's controller polls its workers every ``RAY_TRAIN_HEALTH_CHECK_INTERVAL_S`` (default 2 s), and a
 worker's ``ray.train.report`` waits until the controller has taken the previous report: with checkpoints less
@@ -40,6 +47,53 @@ than 2 s apart every report blocked ~2 s. Polling 4x a second costs the controll
 that wait (an operator's own setting of the variable wins)."""
 DEFAULT_TRAIN_FN = "workers.entry:train_loop_per_worker"
 """The per-worker entry; a launch may name another (set by the scheduler, never by a recipe)."""
+
+
+@dataclass(frozen=True)
+class WorkerFailure:
+    """One rank's failure, as plain values (the ``fit`` status carries them as dicts: ``to_dict``/``from_dict``)."""
+
+    rank: int
+    type: str
+    """The exception's class name."""
+    message: str
+    died: bool
+    """The worker process is gone (Ray Train's failed health check, or the actor died), not an error it raised."""
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> WorkerFailure:
+        return cls(rank=int(data["rank"]), type=str(data["type"]), message=str(data.get("message") or ""),
+                   died=bool(data.get("died", False)))
+
+
+def worker_failures(exc: BaseException) -> list[WorkerFailure]:
+    """Ray Train's per-rank failures of a failed fit (``WorkerGroupError.worker_failures``), by rank; empty when
+    the error has no such structure (a controller error, a bad train function, anything else)."""
+    per_rank = getattr(exc, "worker_failures", None)
+    if not isinstance(per_rank, Mapping):
+        return []
+    out = []
+    for rank, err in sorted(per_rank.items(), key=lambda kv: int(kv[0])):
+        message = str(err).strip()
+        if len(message) > MAX_FAILURE_MESSAGE_CHARS:
+            message = message[: MAX_FAILURE_MESSAGE_CHARS - 1] + "…"
+        out.append(WorkerFailure(rank=int(rank), type=type(err).__name__, message=message, died=_died(err)))
+    return out
+
+
+def _died(err: object) -> bool:
+    # a dead worker reaches Ray Train as a failed health check (``WorkerHealthCheckFailedError``, internal to Ray)
+    # wrapping the actor's death; the attribute is what marks it
+    if isinstance(getattr(err, "health_check_failure", None), BaseException):
+        return True
+    try:
+        from ray.exceptions import RayActorError
+    except ImportError:  # pragma: no cover - the channel runs inside Ray
+        return False
+    return isinstance(err, RayActorError)
 
 
 class RunChannel:
@@ -142,8 +196,9 @@ class RunChannel:
     def _run_fit(self, launch: dict[str, Any], handle: Any) -> None:
         try:
             run_torch_trainer(launch, handle)
-        except BaseException as exc:  # noqa: BLE001 - every failure must reach the scheduler as text
-            self._fit = {"state": "failed", "error": _format_error(exc), "ended": time.time()}
+        except BaseException as exc:  # noqa: BLE001 - every failure must reach the scheduler as plain data
+            self._fit = {"state": "failed", "error": _format_error(exc), "ended": time.time(),
+                         "worker_failures": [f.to_dict() for f in worker_failures(exc)]}
         else:
             self._fit = {"state": "done", "error": None, "ended": time.time()}
 
