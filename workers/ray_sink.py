@@ -28,7 +28,7 @@ FINAL_FLUSH_TIMEOUT_S = 10.0
 
 
 class ActorSink:
-    """``EventSink`` over a ``orchestrator.events.RunChannel`` actor handle."""
+    """``EventSink`` over a ``orchestrator.channel.RunChannel`` actor handle."""
 
     def __init__(
         self,

@@ -16,7 +16,7 @@ from typing import Any
 import sqlalchemy as sa
 from sqlalchemy.orm import Session
 
-from contracts.wire import EndEvent
+from contracts.wire import EndEvent, finite_or_none
 from orchestrator.policy.recovery import ATTEMPT_KINDS, AttemptRecord, CheckpointRecord
 from orchestrator.policy.states import TERMINAL_ATTEMPT_STATES, AttemptState
 from orchestrator.store.models import Attempt, CheckpointRow, Run
@@ -27,6 +27,11 @@ ERROR = "error"
 ERROR_DETAIL = "error_detail"
 END_MARK = "final_step"
 """The one key every ``end`` event has (``EndEvent.final_step`` has no default) and the verdict alone lacks."""
+
+
+def _finite(x: Any) -> float | None:
+    """A stored metric as a float the policy can compare (anything else: unknown)."""
+    return finite_or_none(float(x)) if isinstance(x, int | float) and not isinstance(x, bool) else None
 
 
 @dataclass(frozen=True)
@@ -112,6 +117,7 @@ def checkpoint_record(row: CheckpointRow, attempt_number: int) -> CheckpointReco
     return CheckpointRecord(
         id=row.id, attempt_number=attempt_number, step=row.step, uri=row.uri, healthy=row.healthy,
         valid=not row.deleted and not (row.verdict or {}).get("corrupt"),
+        loss=_finite((row.metrics or {}).get("smoothed_loss")),
     )
 
 

@@ -176,3 +176,16 @@ def test_what_the_live_stream_polls(session_factory: sessionmaker[Session]) -> N
         newest = newest_metric_after(session=s, run_id=run_id, after=0)
         assert newest is not None and (newest[0].step, newest[1]) == (2, 1)
         assert newest_metric_after(session=s, run_id=run_id, after=newest[0].id) is None
+
+
+@pytest.mark.parametrize(("metrics", "loss"), [({"loss": 2.0, "smoothed_loss": 1.5}, 1.5), ({"loss": 2.0}, None),
+                                               ({"smoothed_loss": None}, None), ({"smoothed_loss": "x"}, None),
+                                               ({"smoothed_loss": True}, None), (None, None)])
+def test_checkpoint_record_reads_the_smoothed_loss_the_rollback_compares(
+    metrics: dict[str, object] | None, loss: float | None
+) -> None:
+    from orchestrator.store.models import CheckpointRow
+    from orchestrator.store.records import checkpoint_record
+
+    row = CheckpointRow(id=7, step=50, uri="file:///c/50", healthy=True, deleted=False, verdict={}, metrics=metrics)
+    assert checkpoint_record(row, 1).loss == loss

@@ -78,7 +78,7 @@ class Finding:
     rank: int = 0
 
     def to_event(self) -> dict[str, Any]:
-        """The ``anomaly`` event payload (see ``workers/events.py``); values are finite floats or None."""
+        """The ``anomaly`` event payload (see ``contracts/wire.py``); values are finite floats or None."""
         return {
             "step": self.step,
             "rank": self.rank,
