@@ -28,8 +28,9 @@ from typer.testing import CliRunner
 import api.cli  # noqa: F401  (registers the commands)
 from api.app import create_app
 from api.cli.app import app as cli
-from api.cli.client_cmd import PlainView, Tracker, sparkline
+from api.cli.render import sparkline
 from api.cli.serve_cmd import stop_with_app
+from api.cli.watch import PlainView, Tracker
 from api.client import BallastClient
 from orchestrator.policy.states import AttemptState, RunState
 from orchestrator.settings import Settings, get_settings
