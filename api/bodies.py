@@ -13,6 +13,7 @@ import math
 from dataclasses import dataclass
 from typing import Annotated, Any
 
+import yaml
 from fastapi import Depends, Request
 from pydantic_core import PydanticSerializationError
 from starlette.concurrency import run_in_threadpool
@@ -55,10 +56,10 @@ class BodyLimitMiddleware:
             return
         for name, value in scope["headers"]:
             if name == b"content-length" and value.isdigit() and int(value) > self.max_bytes:
-                resp = problem_response(
-                    None, 413, slug="too-large",
-                    detail=f"the request body is {int(value)} bytes, over the limit of {self.max_bytes}",
-                )
+                resp = problem_response(None, ApiError(
+                    413, f"the request body is {int(value)} bytes, over the limit of {self.max_bytes}",
+                    slug="too-large",
+                ))
                 await resp(scope, receive, send)
                 return
         seen = 0
@@ -215,16 +216,7 @@ training: {max_steps: 200, batch_size: 16}
 optimizer: {name: adamw, lr: 0.003}
 clipping: {method: global_norm, max_norm: 1.0}
 """
-_RECIPE_EXAMPLE_JSON: dict[str, Any] = {
-    "apiVersion": "ballast/v1",
-    "kind": "StabilityRecipe",
-    "name": "tiny-gpt-demo",
-    "model": {"name": "tiny_gpt", "n_layers": 2, "d_model": 64},
-    "data": {"name": "markov", "vocab_size": 64},
-    "training": {"max_steps": 200, "batch_size": 16},
-    "optimizer": {"name": "adamw", "lr": 0.003},
-    "clipping": {"method": "global_norm", "max_norm": 1.0},
-}
+_RECIPE_EXAMPLE_JSON: dict[str, Any] = yaml.safe_load(_RECIPE_EXAMPLE_YAML)
 
 
 def recipe_request_body(description: str) -> dict[str, Any]:

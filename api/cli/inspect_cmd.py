@@ -10,6 +10,8 @@ from api.cli.app import app
 from api.cli.options import CursorOpt, JsonOpt, RunArg, TokenOpt, UrlOpt, connect, console, echo_json
 from api.cli.render import number, page_footer, sparkline, table
 
+StepMinOpt = Annotated[int | None, typer.Option("--step-min", min=0, show_default=False)]
+StepMaxOpt = Annotated[int | None, typer.Option("--step-max", min=0, show_default=False)]
 AttemptOpt = Annotated[
     int | None, typer.Option("--attempt", min=1, help="Only this attempt number.", show_default=False)
 ]
@@ -21,8 +23,8 @@ def anomalies(
     kind: Annotated[str | None, typer.Option("--kind", help="Only this kind (e.g. grad_norm_spike).",
                                              show_default=False)] = None,
     attempt: AttemptOpt = None,
-    step_min: Annotated[int | None, typer.Option("--step-min", min=0, show_default=False)] = None,
-    step_max: Annotated[int | None, typer.Option("--step-max", min=0, show_default=False)] = None,
+    step_min: StepMinOpt = None,
+    step_max: StepMaxOpt = None,
     limit: Annotated[int, typer.Option("--limit", min=1, max=1000, help="Anomalies per page.")] = 100,
     cursor: CursorOpt = None,
     url: UrlOpt = None,
@@ -64,8 +66,8 @@ def metrics(
                      "(default 40; with --json, the server's 1000).", show_default=False),
     ] = None,
     attempt: AttemptOpt = None,
-    step_min: Annotated[int | None, typer.Option("--step-min", min=0, show_default=False)] = None,
-    step_max: Annotated[int | None, typer.Option("--step-max", min=0, show_default=False)] = None,
+    step_min: StepMinOpt = None,
+    step_max: StepMaxOpt = None,
     url: UrlOpt = None,
     token: TokenOpt = None,
     as_json: JsonOpt = False,
