@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from functools import partial
 from typing import Any
 
 import pytest
@@ -9,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from contracts.overrides import apply_overrides
-from contracts.recipe import Recipe, validate_recipe_data
+from contracts.recipe import Recipe
 from orchestrator.policy.recovery import (
     MIN_AGC_LAMBDA,
     AttemptRecord,
@@ -20,12 +21,9 @@ from orchestrator.policy.recovery import (
     effective_values,
     normalize_overrides,
 )
+from tests.recipes import build_recipe
 
-
-def recipe(**sections: Any) -> Recipe:
-    doc: dict[str, Any] = {"name": "t", "training": {"max_steps": 2000}}
-    doc.update(sections)
-    return validate_recipe_data(doc)
+recipe = partial(build_recipe, {"name": "t", "training": {"max_steps": 2000}})
 
 
 def cps(attempt: int, steps: range | list[int], *, start_id: int = 1, **kw: Any) -> list[CheckpointRecord]:
