@@ -481,6 +481,7 @@ def _wait_healthy(url: str, proc: subprocess.Popen[str], timeout: float = 120) -
     raise AssertionError("ballast serve did not become healthy")
 
 
+@pytest.mark.slow  # starts `ballast serve` in a subprocess (imports the whole stack: seconds)
 def test_serve_refuses_a_public_bind_without_auth(tmp_path: Path) -> None:
     proc = subprocess.run(
         [*BALLAST, "serve", "--host", "0.0.0.0"], env=_serve_env(tmp_path), capture_output=True, text=True,
@@ -494,6 +495,7 @@ def test_serve_refuses_a_public_bind_without_auth(tmp_path: Path) -> None:
     assert not (tmp_path / "ballast.db").exists()  # refused before touching anything
 
 
+@pytest.mark.slow  # starts `ballast serve` in a subprocess (imports the whole stack: seconds)
 def test_serve_refuses_an_unreachable_database(tmp_path: Path) -> None:
     port = free_port()
     proc = subprocess.run(
@@ -508,6 +510,7 @@ def test_serve_refuses_an_unreachable_database(tmp_path: Path) -> None:
     assert "Traceback" not in proc.stderr
 
 
+@pytest.mark.slow  # starts `ballast serve` in a subprocess (imports the whole stack: seconds)
 def test_serve_migrates_a_fresh_home_serves_and_stops_cleanly_on_sigterm(tmp_path: Path, recipe_file: Path) -> None:
     port = free_port()
     url = f"http://127.0.0.1:{port}"
