@@ -16,12 +16,11 @@ from typing import Any
 from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
 from sqlalchemy.orm import Session, sessionmaker
-from starlette.exceptions import HTTPException as StarletteHTTPException
-from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 import api
 from api.auth import TokenCache
-from api.errors import install_error_handlers, problem_response
+from api.bodies import BodyLimitMiddleware
+from api.errors import install_error_handlers
 from api.metrics import AppMetrics, LatencyMiddleware
 from api.routes import API_PREFIX, api_routers, health_router
 from api.schemas import Problem
@@ -42,49 +41,6 @@ settings.
   (`application/problem+json`); invalid input lists each field in `errors` with its path (and YAML line).
 * Lists return `{"data": [...], "count": n, "next": cursor}`; pass `next` back as `cursor`.
 """
-
-
-class BodyTooLarge(StarletteHTTPException):
-    """Raised from ``receive`` when a body grows past the limit (FastAPI re-raises HTTP exceptions as-is)."""
-
-    def __init__(self, limit: int) -> None:
-        super().__init__(413, f"the request body is over the limit of {limit} bytes")
-
-
-class BodyLimitMiddleware:
-    """413 for bodies over ``max_bytes``: at once from a declared Content-Length, else as bytes arrive.
-
-    Every body the API accepts is at most a recipe, so the recipe limit bounds them all.
-    """
-
-    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
-        self.app = app
-        self.max_bytes = max_bytes
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
-        for name, value in scope["headers"]:
-            if name == b"content-length" and value.isdigit() and int(value) > self.max_bytes:
-                resp = problem_response(
-                    None, 413, slug="too-large",
-                    detail=f"the request body is {int(value)} bytes, over the limit of {self.max_bytes}",
-                )
-                await resp(scope, receive, send)
-                return
-        seen = 0
-
-        async def limited() -> Message:
-            nonlocal seen
-            message = await receive()
-            if message["type"] == "http.request":
-                seen += len(message.get("body", b""))
-                if seen > self.max_bytes:
-                    raise BodyTooLarge(self.max_bytes)
-            return message
-
-        await self.app(scope, limited, send)
 
 
 @asynccontextmanager

@@ -181,18 +181,19 @@ def run_not_found(run_id: int) -> ApiError:
     return ApiError(404, f"run {run_id} not found", slug="not-found")
 
 
-def _readable_run(run_id: RunId, session: SessionDep, principal: ReadPrincipal) -> Run:
+def _visible_run(session: Session, run_id: int, principal: Principal) -> Run:
     run = repo.get_run(session=session, run_id=run_id, owner=principal.owner_filter)
     if run is None:
         raise run_not_found(run_id)
     return run
+
+
+def _readable_run(run_id: RunId, session: SessionDep, principal: ReadPrincipal) -> Run:
+    return _visible_run(session, run_id, principal)
 
 
 def _writable_run(run_id: RunId, session: SessionDep, principal: SubmitPrincipal) -> Run:
-    run = repo.get_run(session=session, run_id=run_id, owner=principal.owner_filter)
-    if run is None:
-        raise run_not_found(run_id)
-    return run
+    return _visible_run(session, run_id, principal)
 
 
 ReadableRun = Annotated[Run, Depends(_readable_run)]

@@ -56,29 +56,26 @@ class ApiError(Exception):
         self.headers = dict(headers or {})
 
 
-def problem_response(
-    request: Request | None,
-    status: int,
-    *,
-    detail: str | None = None,
-    slug: str | None = None,
-    title: str | None = None,
-    errors: Sequence[FieldError] | None = None,
-    headers: Mapping[str, str] | None = None,
-) -> JSONResponse:
+def invalid_request(errors: Sequence[FieldError], detail: str = "the request is invalid") -> ApiError:
+    """The 422 for input that fails validation outside a recipe (parameters, bodies), naming each field."""
+    return ApiError(422, detail, slug="invalid-request", title="Invalid request", errors=errors)
+
+
+def problem_response(request: Request | None, error: ApiError) -> JSONResponse:
+    """``error`` as its problem document (``instance`` is the request's path when there is a request)."""
     body = Problem(
-        type=problem_type(slug) if slug else "about:blank",
-        title=title or HTTPStatus(status).phrase,
-        status=status,
-        detail=detail,
+        type=problem_type(error.slug) if error.slug else "about:blank",
+        title=error.title,
+        status=error.status,
+        detail=error.detail,
         instance=request.url.path if request is not None else None,
-        errors=[FieldErrorOut(path=e.path, message=e.message, line=e.line) for e in errors]
-        if errors is not None
+        errors=[FieldErrorOut(path=e.path, message=e.message, line=e.line) for e in error.errors]
+        if error.errors is not None
         else None,
     )
     return JSONResponse(
-        body.model_dump(mode="json", exclude_none=True), status_code=status, media_type=PROBLEM_JSON,
-        headers=dict(headers or {}),
+        body.model_dump(mode="json", exclude_none=True), status_code=error.status, media_type=PROBLEM_JSON,
+        headers=error.headers,
     )
 
 
@@ -92,10 +89,7 @@ def _validation_path(loc: Sequence[Any]) -> str:
 
 async def _api_error(request: Request, exc: Exception) -> JSONResponse:
     assert isinstance(exc, ApiError)
-    return problem_response(
-        request, exc.status, detail=exc.detail, slug=exc.slug, title=exc.title, errors=exc.errors,
-        headers=exc.headers,
-    )
+    return problem_response(request, exc)
 
 
 def _allowed_methods(request: Request) -> str | None:
@@ -122,12 +116,11 @@ async def _http_exception(request: Request, exc: Exception) -> JSONResponse:
         # FastAPI's "error parsing the body" (e.g. a JSON body that is not UTF-8): invalid input, like a JSON
         # syntax error, so the same 422 with the body named
         return problem_response(
-            request, 422, detail="the request is invalid", slug="invalid-request", title="Invalid request",
-            errors=[FieldError("<body>", f"cannot be parsed ({type(exc.__cause__).__name__})")],
+            request, invalid_request([FieldError("<body>", f"cannot be parsed ({type(exc.__cause__).__name__})")])
         )
     if exc.status_code == 405:
         headers["Allow"] = _allowed_methods(request) or headers.get("Allow", "")
-    return problem_response(request, exc.status_code, detail=detail, headers=headers)
+    return problem_response(request, ApiError(exc.status_code, detail, headers=headers))
 
 
 async def _request_validation(request: Request, exc: Exception) -> JSONResponse:
@@ -142,52 +135,43 @@ async def _request_validation(request: Request, exc: Exception) -> JSONResponse:
             errors.append(FieldError("<body>", f"invalid JSON: {detail}" if detail else "invalid JSON"))
             continue
         errors.append(FieldError(_validation_path(err.get("loc", ())), msg))
-    return problem_response(
-        request, 422, detail="the request is invalid", slug="invalid-request", title="Invalid request",
-        errors=errors,
-    )
+    return problem_response(request, invalid_request(errors))
 
 
 async def _recipe_error(request: Request, exc: Exception) -> JSONResponse:
     assert isinstance(exc, RecipeError)
-    return problem_response(
-        request, 422, detail="the recipe is invalid", slug="invalid-recipe", title="Invalid recipe",
-        errors=exc.errors,
-    )
+    invalid = ApiError(422, "the recipe is invalid", slug="invalid-recipe", title="Invalid recipe", errors=exc.errors)
+    return problem_response(request, invalid)
 
 
 async def _bad_cursor(request: Request, exc: Exception) -> JSONResponse:
-    return problem_response(
-        request, 422, detail=str(exc), slug="invalid-request", title="Invalid request",
-        errors=[FieldError("query.cursor", str(exc))],
-    )
+    return problem_response(request, invalid_request([FieldError("query.cursor", str(exc))], str(exc)))
 
 
 async def _illegal_transition(request: Request, exc: Exception) -> JSONResponse:
     assert isinstance(exc, IllegalTransition)
-    return problem_response(
-        request, 409, slug="illegal-transition", title="Illegal state change",
-        detail=f"the {exc.entity} is {exc.current}; it cannot become {exc.target}",
-    )
+    return problem_response(request, ApiError(
+        409, f"the {exc.entity} is {exc.current}; it cannot become {exc.target}", slug="illegal-transition",
+        title="Illegal state change",
+    ))
 
 
 async def _integrity_error(request: Request, exc: Exception) -> JSONResponse:
     # a unique or foreign-key constraint refused the write: a conflict with existing state, not a server bug
     log.info("integrity error on %s: %s", request.url.path, exc)
-    return problem_response(request, 409, slug="conflict", detail="the request conflicts with existing data")
+    return problem_response(request, ApiError(409, "the request conflicts with existing data", slug="conflict"))
 
 
 async def _operational_error(request: Request, exc: Exception) -> JSONResponse:
     log.warning("database unavailable on %s: %s", request.url.path, exc)
-    return problem_response(
-        request, 503, slug="database-unavailable", detail="the database is unavailable; try again",
-        headers={"Retry-After": "1"},
-    )
+    return problem_response(request, ApiError(
+        503, "the database is unavailable; try again", slug="database-unavailable", headers={"Retry-After": "1"}
+    ))
 
 
 async def _unhandled(request: Request, exc: Exception) -> JSONResponse:
     log.exception("unhandled error on %s", request.url.path, exc_info=exc)
-    return problem_response(request, 500, slug="internal", detail="an internal error occurred")
+    return problem_response(request, ApiError(500, "an internal error occurred", slug="internal"))
 
 
 def install_error_handlers(app: FastAPI) -> None:

@@ -13,9 +13,21 @@ from typing import Annotated, Any, Generic, Literal, TypeVar
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, WithJsonSchema
 
+from contracts.recipe import Recipe
 from orchestrator.policy.states import AttemptState, RunState
 
 T = TypeVar("T")
+
+
+def _recipe_field_pattern(name: str) -> str:
+    """The regex the recipe schema itself puts on field ``name``."""
+    return next(str(m.pattern) for m in Recipe.model_fields[name].metadata if getattr(m, "pattern", None))
+
+
+RUN_NAME_PATTERN = _recipe_field_pattern("name")
+"""A run is named by its recipe: the same rule."""
+PRINCIPAL_PATTERN = r"^[A-Za-z0-9._@-]+$"
+"""Who owns runs and tokens: a token's name and the principal it acts as."""
 
 NonFinite = Literal["NaN", "Infinity", "-Infinity"]
 
@@ -292,9 +304,9 @@ class TokenCreate(BaseModel):
         json_schema_extra={"examples": [{"name": "ci", "principal": "team-a", "scopes": ["read", "submit"]}]},
     )
 
-    name: str = Field(min_length=1, max_length=100, pattern=r"^[A-Za-z0-9._@-]+$")
+    name: str = Field(min_length=1, max_length=100, pattern=PRINCIPAL_PATTERN)
     principal: str | None = Field(
-        default=None, min_length=1, max_length=100, pattern=r"^[A-Za-z0-9._@-]+$",
+        default=None, min_length=1, max_length=100, pattern=PRINCIPAL_PATTERN,
         description="Who the token acts as (owns the runs it submits); defaults to `name`.",
     )
     scopes: list[Scope] = Field(min_length=1, max_length=3)

@@ -2,12 +2,20 @@
 
 from __future__ import annotations
 
+import importlib
+
 import typer
 from pydantic import ValidationError
 
-from api.cli import client_cmd, db_cmd, recipe_cmd, serve_cmd, token_cmd, train_cmd  # noqa: F401  (registration)
 from api.cli.app import app
 from orchestrator.settings import settings_error_lines
+
+COMMAND_MODULES = (
+    "submit_cmd", "runs_cmd", "inspect_cmd", "db_cmd", "recipe_cmd", "serve_cmd", "token_cmd", "train_cmd",
+)
+"""Imported in this order: each registers its commands on ``app``, and ``ballast --help`` lists them so."""
+for _name in COMMAND_MODULES:
+    importlib.import_module(f"api.cli.{_name}")
 
 
 def main() -> None:

@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Annotated, Any
 import typer
 
 from api.cli.app import app
+from api.cli.db_cmd import redacted_url
 from orchestrator.settings import Settings, get_settings
 
 if TYPE_CHECKING:
@@ -46,10 +47,9 @@ def _refuse(message: str) -> typer.Exit:
     return typer.Exit(EXIT_REFUSED)
 
 
-def _redacted(url: str) -> str:
-    from sqlalchemy.engine import make_url
-
-    return make_url(url).render_as_string(hide_password=True)
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else ""
 
 
 def _prepare_database(settings: Settings, migrate: bool) -> sessionmaker[Session]:
@@ -63,8 +63,8 @@ def _prepare_database(settings: Settings, migrate: bool) -> sessionmaker[Session
         try:
             migrations.upgrade(settings.database_url)
         except Exception as exc:  # OperationalError, a bad URL, a missing driver: the operator must fix it
-            first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-            raise _refuse(f"cannot migrate the database at {_redacted(settings.database_url)}: {first}") from None
+            first = _first_line(exc) or type(exc).__name__
+            raise _refuse(f"cannot migrate the database at {redacted_url(settings.database_url)}: {first}") from None
     return make_session_factory(make_engine(settings.database_url))
 
 
@@ -101,8 +101,8 @@ def _start_scheduler(scheduler: Any, ray: str) -> None:
     thread.start()
     thread.join()
     if errors:
-        first = str(errors[0]).strip().splitlines()[0] if str(errors[0]).strip() else ""
-        raise _refuse(f"cannot start the scheduler on Ray ({ray}): {type(errors[0]).__name__}: {first}")
+        raise _refuse(f"cannot start the scheduler on Ray ({ray}): {type(errors[0]).__name__}: "
+                      f"{_first_line(errors[0])}")
 
 
 def _exit_cleanly(signum: int, _frame: FrameType | None) -> None:
@@ -162,7 +162,7 @@ def serve(
             _start_scheduler(sched, ray)
         typer.echo(
             f"ballast: serving http://{settings.bind_host}:{settings.bind_port} "
-            f"(database {_redacted(settings.database_url)}, ray {ray if sched is not None else 'not used'}, "
+            f"(database {redacted_url(settings.database_url)}, ray {ray if sched is not None else 'not used'}, "
             f"auth {settings.auth_mode.value})",
             err=True,
         )
@@ -182,7 +182,7 @@ def scheduler(
     from orchestrator.scheduler import Scheduler, stop_on_signals
 
     sched = Scheduler(settings, factory)
-    typer.echo(f"ballast: scheduler running (database {_redacted(settings.database_url)}, "
+    typer.echo(f"ballast: scheduler running (database {redacted_url(settings.database_url)}, "
                f"ray {settings.ray_address or 'local'})", err=True)
     with stop_on_signals(sched.stop):
         sched.run_forever()

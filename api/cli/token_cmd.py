@@ -14,7 +14,7 @@ import typer
 from sqlalchemy.orm import Session
 
 from api.auth import SCOPES, issue_token
-from api.cli.app import app
+from api.cli.app import app, fail
 from orchestrator.settings import get_settings
 from orchestrator.store import repo
 from orchestrator.store.db import make_engine, make_session_factory, transaction
@@ -45,8 +45,7 @@ def create(
     """Create a token and print it once. Runs it submits belong to its principal."""
     bad = sorted(set(scope) - set(SCOPES))
     if bad:
-        typer.echo(f"error: --scope must be one of {', '.join(SCOPES)}; got {', '.join(bad)}", err=True)
-        raise typer.Exit(2)
+        raise fail(f"--scope must be one of {', '.join(SCOPES)}; got {', '.join(bad)}")
     settings = get_settings()
     with _session() as session:
         row, token = issue_token(session=session, pepper=settings.token_pepper, name=name, principal=principal,
@@ -85,6 +84,5 @@ def revoke(token_id: int = typer.Argument(..., help="Token id (from `ballast tok
     with _session() as session:
         row = repo.revoke_token(session=session, token_id=token_id)
     if row is None:
-        typer.echo(f"error: no token {token_id}", err=True)
-        raise typer.Exit(1)
+        raise fail(f"no token {token_id}", code=1)
     typer.echo(f"token {token_id} revoked")

@@ -8,12 +8,12 @@ Exit codes: 0 succeeded, 1 diverged, 2 bad recipe, setting or checkpoint, 3 cras
 from __future__ import annotations
 
 import json
-import math
 import shutil
 import signal
 import tempfile
 import threading
 import time
+import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -24,7 +24,8 @@ import typer
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from api.cli.app import app
+from api.cli.app import app, fail
+from api.cli.render import number
 from contracts.recipe import Recipe, RecipeError, load_recipe
 from orchestrator.settings import get_settings
 from workers.sinks import ListSink
@@ -35,9 +36,7 @@ EXIT_CRASHED = 3
 
 
 def _fmt(x: Any, spec: str = ".4g") -> str:
-    if x is None or (isinstance(x, float) and not math.isfinite(x)):
-        return "—" if x is None else str(x)
-    return format(x, spec)
+    return number(x, spec, missing="—")
 
 
 class ProgressSink(ListSink):
@@ -89,11 +88,6 @@ def _stop_on_sigint(sink: ProgressSink) -> Iterator[None]:
             signal.signal(signal.SIGINT, previous)
 
 
-def _fail(message: str) -> typer.Exit:
-    typer.echo(f"error: {message}", err=True)
-    return typer.Exit(2)
-
-
 def _load(path: Path, steps: int | None, workers: int | None) -> Recipe:
     from contracts.overrides import apply_overrides
 
@@ -101,7 +95,7 @@ def _load(path: Path, steps: int | None, workers: int | None) -> Recipe:
     try:
         text = path.read_bytes()
     except OSError as exc:
-        raise _fail(f"{path}: {exc.strerror}") from None
+        raise fail(f"{path}: {exc.strerror}") from None
     try:
         recipe = load_recipe(text, max_bytes=settings.max_recipe_bytes,
                              allowed_import_modules=settings.allowed_import_modules)
@@ -112,7 +106,7 @@ def _load(path: Path, steps: int | None, workers: int | None) -> Recipe:
             overrides["resources.num_workers"] = [recipe.resources.num_workers, workers]
         return apply_overrides(recipe, overrides, allowed_import_modules=settings.allowed_import_modules)
     except RecipeError as exc:
-        raise _fail("; ".join(f"{path}: {e}" for e in exc.errors)) from None
+        raise fail("; ".join(f"{path}: {e}" for e in exc.errors)) from None
 
 
 def _summary(console: Console, result: dict[str, Any], elapsed: float, kept_dir: str | None) -> None:
@@ -191,7 +185,7 @@ def train(
                 if progress is not None:
                     progress.stop()
     except (SpecError, EngineConfigError, RecipeError, CorruptCheckpoint, FileNotFoundError) as exc:
-        raise _fail(str(exc)) from None
+        raise fail(str(exc)) from None
     except InjectedCrash as exc:
         typer.echo(f"crashed: {exc}", err=True)
         raise typer.Exit(EXIT_CRASHED) from None
@@ -207,10 +201,12 @@ def train(
 
 
 def _train_ray(spec: Any, sink: ProgressSink) -> dict[str, Any]:
-    """N workers through a local Ray Train run; events come back through a channel actor polled here."""
+    """N workers through a local Ray Train run. The worker group is launched, drained, stopped and ended
+    through the scheduler's ``RayLauncher``, the one client of the channel actor's protocol (acknowledged
+    events, plan answers, stop, kill); this process only plays the part of a store that keeps one attempt."""
     import ray
 
-    from orchestrator.channel import channel_actor_class
+    from orchestrator.scheduler import RayLauncher
 
     recipe = spec.recipe
     started_ray = False
@@ -218,8 +214,9 @@ def _train_ray(spec: Any, sink: ProgressSink) -> dict[str, Any]:
         ray.init(num_cpus=max(2, int(recipe.resources.num_workers * recipe.resources.cpus_per_worker) + 1),
                  include_dashboard=False, log_to_driver=False)
         started_ray = True
+    launcher = RayLauncher(get_settings())
+    handle = None
     try:
-        channel = channel_actor_class().remote(0, 1)
         storage = str(Path(spec.checkpoint_dir).resolve())
         launch = {
             "spec": spec.to_dict(), "attempt": spec.attempt, "num_workers": recipe.resources.num_workers,
@@ -227,29 +224,9 @@ def _train_ray(spec: Any, sink: ProgressSink) -> dict[str, Any]:
             "gpus_per_worker": recipe.resources.gpus_per_worker, "run_name": "ballast-train",
             "storage_path": storage, "checkpoint_uri_prefix": f"{storage}/ballast-train",
         }
-        ray.get(channel.start.remote(launch))
-        seen = 0
-        stop_sent = False
-        end: dict[str, Any] | None = None
-        while True:
-            state = ray.get(channel.poll.remote())
-            for event in state["events"][seen:]:
-                sink.emit(event["type"], event["data"])
-                if event["type"] == "end":
-                    end = event["data"]
-            seen = len(state["events"])
-            for request in state.get("plan_requests", []):  # one attempt here: no in-place retry
-                ray.get(channel.answer_plan.remote(request["attempt"], None))
-            if sink.stop_requested and not stop_sent:
-                ray.get(channel.request_stop.remote())
-                stop_sent = True
-            if state["fit"]["state"] in ("done", "failed"):
-                if state["fit"]["state"] == "failed" and end is None:
-                    raise RuntimeError(f"the Ray Train run failed: {state['fit']['error']}")
-                break
-            time.sleep(0.25)
-        if end is None:
-            raise RuntimeError("the Ray Train run ended without an end event")
+        handle = launcher.launch(name=f"ballast-train-{uuid.uuid4().hex[:8]}", run_id=0, attempt=spec.attempt,
+                                 launch=launch)
+        end = _drain(launcher, handle, sink)
         metrics = sink.of_type("metric")
         return {
             **end,
@@ -260,5 +237,36 @@ def _train_ray(spec: Any, sink: ProgressSink) -> dict[str, Any]:
             "skipped_steps": [m["step"] for m in metrics if m.get("skipped")],
         }
     finally:
+        if handle is not None:
+            launcher.kill(handle)
         if started_ray:
             ray.shutdown()
+
+
+def _drain(launcher: Any, handle: Any, sink: ProgressSink) -> dict[str, Any]:
+    """Feed the channel's events to ``sink`` until the worker group ends; the attempt's ``end`` event data.
+    One attempt here: an in-place plan request is answered "no" (the attempt ends as it is)."""
+    acked: dict[int, int] = {}
+    stop_sent = False
+    end: dict[str, Any] | None = None
+    while True:
+        polled = launcher.poll(handle, acked)
+        if polled is None:  # the actor is busy: ask again
+            continue
+        for event in polled["events"]:
+            acked[int(event["attempt"])] = max(acked.get(int(event["attempt"]), 0), int(event["seq"]))
+            sink.emit(event["type"], event["data"])
+            if event["type"] == "end":
+                end = event["data"]
+        for request in polled.get("plan_requests", []):
+            launcher.answer_plan(handle, int(request["attempt"]), None)
+        if sink.stop_requested and not stop_sent:
+            launcher.request_stop(handle)
+            stop_sent = True
+        fit = polled["fit"]
+        if fit["state"] in ("done", "failed"):
+            if end is None:
+                raise RuntimeError(f"the Ray Train run failed: {fit['error']}" if fit["state"] == "failed"
+                                   else "the Ray Train run ended without an end event")
+            return end
+        time.sleep(0.25)

@@ -10,24 +10,12 @@ from api.auth import ReadableRun
 from api.deps import MAX_ID, SessionDep
 from api.errors import problem_responses
 from api.schemas import AnomalyRead, Page
+from api.serialize import anomaly_read
 from orchestrator.store import repo
-from orchestrator.store.models import AnomalyRow
 
 router = APIRouter(tags=["anomalies"])
 
 StepQuery = Annotated[int | None, Query(ge=0, le=MAX_ID)]
-
-
-def anomaly_read(row: AnomalyRow, attempt: int) -> AnomalyRead:
-    return AnomalyRead.model_validate(
-        {**{c: getattr(row, c) for c in _ANOMALY_COLUMNS}, "attempt": attempt}
-    )
-
-
-_ANOMALY_COLUMNS = (
-    "id", "run_id", "attempt_id", "seq", "step", "rank", "kind", "detector", "value", "threshold", "action",
-    "details", "created_at",
-)
 
 
 @router.get(

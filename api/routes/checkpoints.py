@@ -8,18 +8,10 @@ from api.auth import ReadableRun
 from api.deps import SessionDep
 from api.errors import problem_responses
 from api.schemas import CheckpointRead, Page
+from api.serialize import checkpoint_read
 from orchestrator.store import repo
-from orchestrator.store.models import CheckpointRow
 
 router = APIRouter(tags=["checkpoints"])
-
-_COLUMNS = ("id", "run_id", "attempt_id", "step", "uri", "sha256", "healthy", "verdict", "metrics", "deleted",
-            "created_at")
-
-
-def checkpoint_read(row: CheckpointRow, attempt: int) -> CheckpointRead:
-    return CheckpointRead.model_validate({**{c: getattr(row, c) for c in _COLUMNS}, "attempt": attempt})
-
 
 @router.get(
     "/runs/{run_id}/checkpoints",

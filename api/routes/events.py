@@ -5,12 +5,12 @@ log: run and attempt transitions with their reasons), ``anomaly`` (new anomalies
 per-step metrics only: a watcher wants the current loss, not every step). It opens with a ``run`` snapshot
 and ends with an ``end`` snapshot once the run is finished. Each message's ``id`` is the stream position
 ``<event id>.<anomaly id>.<metric id>``; a reconnecting client sends it back as ``Last-Event-ID`` and
-continues where it stopped.
+continues where it stopped. The framing (``text/event-stream``, no-cache headers, a ``: ping`` comment after 15 s
+without a message) is FastAPI's ``EventSourceResponse``; this module only decides what to send.
 """
 
 from __future__ import annotations
 
-import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Annotated
@@ -18,16 +18,15 @@ from typing import Annotated
 import anyio
 import sqlalchemy as sa
 from fastapi import APIRouter, Header, Query, Request
-from fastapi.responses import StreamingResponse
+from fastapi.sse import EventSourceResponse, ServerSentEvent
 from pydantic import BaseModel
 from sqlalchemy.orm import Session, sessionmaker
 from starlette.concurrency import run_in_threadpool
 
 from api.auth import ReadableRun
 from api.errors import problem_responses
-from api.routes.anomalies import anomaly_read
-from api.routes.runs import run_read
-from api.schemas import MetricEvent, StateEvent
+from api.schemas import StateEvent
+from api.serialize import anomaly_read, metric_event, run_read
 from orchestrator.policy.states import TERMINAL_RUN_STATES, RunState
 from orchestrator.store import repo
 from orchestrator.store.models import AnomalyRow, Attempt, Event, MetricPoint, Run
@@ -35,7 +34,8 @@ from orchestrator.store.models import AnomalyRow, Attempt, Event, MetricPoint, R
 router = APIRouter(tags=["events"])
 
 BATCH = 500
-KEEPALIVE_SECONDS = 15.0
+RETRY_MS = 2000
+"""How long a disconnected client waits before it reconnects (the stream's opening ``retry`` field)."""
 
 
 @dataclass
@@ -58,13 +58,13 @@ class _Position:
 
 @dataclass
 class _Batch:
-    messages: list[str] = field(default_factory=list)
+    messages: list[ServerSentEvent] = field(default_factory=list)
     finished: bool = False
     more: bool = False
 
 
-def _message(kind: str, pos: _Position, payload: BaseModel) -> str:
-    return f"id: {pos}\nevent: {kind}\ndata: {payload.model_dump_json()}\n\n"
+def _message(kind: str, pos: _Position, payload: BaseModel) -> ServerSentEvent:
+    return ServerSentEvent(event=kind, id=str(pos), data=payload)
 
 
 def _snapshot(session: Session, run: Run) -> BaseModel:
@@ -109,11 +109,7 @@ def _poll(factory: sessionmaker[Session], run_id: int, pos: _Position, first: bo
         if latest is not None:
             mp, number = latest
             pos.metric = mp.id
-            out.messages.append(_message("metric", pos, MetricEvent(
-                attempt=number, step=mp.step, loss=mp.loss, grad_norm=mp.grad_norm,
-                grad_norm_clipped=mp.grad_norm_clipped, lr=mp.lr, loss_scale=mp.loss_scale,
-                throughput=mp.throughput, skipped=mp.skipped,
-            )))
+            out.messages.append(_message("metric", pos, metric_event(mp, number)))
         out.more = len(events) == BATCH or len(anomalies) == BATCH
         if finished and not out.more:
             out.finished = True
@@ -125,7 +121,7 @@ def _poll(factory: sessionmaker[Session], run_id: int, pos: _Position, first: bo
     "/runs/{run_id}/events",
     summary="Live event stream of a run (Server-Sent Events)",
     description=__doc__,
-    response_class=StreamingResponse,
+    response_class=EventSourceResponse,
     responses={
         200: {
             "description": "`text/event-stream` with events `run`, `state`, `anomaly`, `metric`, `end`; each "
@@ -144,35 +140,19 @@ async def stream_events(
     follow: Annotated[
         bool, Query(description="Keep streaming until the run finishes; false: send what is there and end.")
     ] = True,
-) -> StreamingResponse:
+) -> AsyncIterator[ServerSentEvent]:
     factory: sessionmaker[Session] = request.app.state.session_factory
     interval: float = request.app.state.event_poll_seconds
     run_id = run.id
-    start = _Position.parse(last_event_id)
-
-    async def stream() -> AsyncIterator[str]:
-        pos = start
-        yield "retry: 2000\n\n"
-        first = True
-        quiet_since = time.monotonic()
-        while True:
-            batch = await run_in_threadpool(_poll, factory, run_id, pos, first)
-            first = False
-            for msg in batch.messages:
-                yield msg
-            if batch.messages:
-                quiet_since = time.monotonic()
-            if batch.finished or (not follow and not batch.more):
-                return
-            if batch.more:
-                continue
-            if time.monotonic() - quiet_since > KEEPALIVE_SECONDS:
-                yield ": keep-alive\n\n"
-                quiet_since = time.monotonic()
+    pos = _Position.parse(last_event_id)
+    yield ServerSentEvent(retry=RETRY_MS)
+    first = True
+    while True:
+        batch = await run_in_threadpool(_poll, factory, run_id, pos, first)
+        first = False
+        for msg in batch.messages:
+            yield msg
+        if batch.finished or (not follow and not batch.more):
+            return
+        if not batch.more:
             await anyio.sleep(interval)
-
-    return StreamingResponse(
-        stream(),
-        media_type="text/event-stream",
-        headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
-    )

@@ -8,7 +8,7 @@ from fastapi import APIRouter, Query
 
 from api.auth import ReadableRun
 from api.deps import MAX_ID, SessionDep
-from api.errors import ApiError, problem_responses
+from api.errors import invalid_request, problem_responses
 from api.schemas import MetricName, MetricSeries, MetricsRead
 from contracts.recipe import FieldError
 from orchestrator.store import repo
@@ -36,8 +36,8 @@ def get_metrics(
     max_points: Annotated[int, Query(ge=2, le=10_000)] = 1000,
 ) -> MetricsRead:
     if step_min is not None and step_max is not None and step_min > step_max:
-        raise ApiError(422, "step_min is after step_max", slug="invalid-request", title="Invalid request",
-                       errors=[FieldError("query.step_min", f"must not exceed step_max ({step_max})")])
+        raise invalid_request([FieldError("query.step_min", f"must not exceed step_max ({step_max})")],
+                              "step_min is after step_max")
     names = list(dict.fromkeys(series)) if series else list(repo.METRIC_SERIES)
     out = repo.metric_series(
         session=session, run_id=run.id, series=names, step_min=step_min, step_max=step_max, attempt=attempt,

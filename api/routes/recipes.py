@@ -7,7 +7,7 @@ from typing import Any
 from fastapi import APIRouter
 
 from api.auth import ReadPrincipal
-from api.deps import RecipeBody, recipe_request_body
+from api.bodies import RecipeBody, recipe_request_body
 from api.errors import problem_responses
 from api.schemas import RecipeValidation
 from contracts.recipe import recipe_json_schema

@@ -2,66 +2,34 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
-from typing import Annotated, Any
+from collections.abc import Sequence
+from typing import Annotated
 
 from fastapi import APIRouter, Body, Depends, Header, Query, Response
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
 from api.auth import Principal, ReadPrincipal, SubmitPrincipal, WritableRun, run_not_found
-from api.deps import (
-    RecipeBody,
-    RunId,
-    SessionDep,
-    SubmittedRecipe,
-    in_db_thread,
-    recipe_request_body,
-    require_json,
-    without_transaction,
-)
+from api.bodies import RecipeBody, SubmittedRecipe, recipe_request_body, require_json
+from api.deps import RunId, SessionDep, in_db_thread, without_transaction
 from api.errors import ApiError, problem_responses
-from api.schemas import AttemptRead, Page, RetryRequest, RetryResult, RunDetail, RunRead, RunSummary
+from api.schemas import (
+    PRINCIPAL_PATTERN,
+    RUN_NAME_PATTERN,
+    AttemptRead,
+    Page,
+    RetryRequest,
+    RetryResult,
+    RunDetail,
+    RunRead,
+)
+from api.serialize import run_fields, run_read
 from contracts.recipe import FieldError, RecipeError
 from orchestrator.policy.states import RunState
 from orchestrator.store import repo
 from orchestrator.store.models import Run
 
 router = APIRouter(tags=["runs"])
-
-NAME_PATTERN = r"^[a-z0-9]([a-z0-9._-]*[a-z0-9])?$"
-OWNER_PATTERN = r"^[A-Za-z0-9._@-]+$"
-
-_RUN_KEYS = (
-    "id", "name", "owner", "state", "recipe_id", "idempotency_key", "current_attempt", "cancel_requested", "reason",
-    "created_at", "updated_at", "started_at", "ended_at",
-)
-_SUMMARY_KEYS = ("best_loss", "last_step", "retries_used", "crash_restarts_used")
-
-
-def run_read(run: Run, anomalies: dict[str, int]) -> RunRead:
-    """ORM run (with its recipe row) → RunRead."""
-    values = {k: getattr(run, k) for k in (*_RUN_KEYS, *_SUMMARY_KEYS)}
-    return RunRead.model_validate(_run_fields(values, run.recipe.content_hash, run.recipe.parsed, anomalies))
-
-
-def _run_fields(
-    run: Mapping[str, Any], content_hash: str, recipe: Mapping[str, Any], anomalies: dict[str, int]
-) -> dict[str, Any]:
-    """The fields of RunRead from a run's column values, its recipe's hash and normalised JSON, and its counts."""
-    max_steps = recipe.get("training", {}).get("max_steps")
-    fields = {k: run[k] for k in _RUN_KEYS}
-    fields["content_hash"] = content_hash
-    fields["summary"] = RunSummary(
-        best_loss=run["best_loss"],
-        last_step=run["last_step"],
-        max_steps=max_steps if isinstance(max_steps, int) else None,
-        retries_used=run["retries_used"],
-        crash_restarts_used=run["crash_restarts_used"],
-        anomalies_by_kind=anomalies,
-        anomalies_total=sum(anomalies.values()),
-    )
-    return fields
 
 
 def _run_detail(session: Session, run_id: int, owner: str | None) -> RunDetail:
@@ -70,7 +38,7 @@ def _run_detail(session: Session, run_id: int, owner: str | None) -> RunDetail:
     found = repo.get_run_overview(session=session, run_id=run_id, owner=owner)
     if found is None:
         raise run_not_found(run_id)
-    fields = _run_fields(found.run, found.content_hash, found.recipe, found.anomalies_by_kind)
+    fields = run_fields(found.run, found.content_hash, found.recipe, found.anomalies_by_kind)
     fields["attempt"] = AttemptRead.model_validate(found.attempt) if found.attempt is not None else None
     fields["recipe"] = found.recipe
     return RunDetail.model_validate(fields)
@@ -158,8 +126,10 @@ async def list_runs(
     principal: ReadPrincipal,
     session: SessionDep,
     state: Annotated[list[RunState] | None, Query(description="Only runs in these states (repeatable).")] = None,
-    name: Annotated[str | None, Query(max_length=100, pattern=NAME_PATTERN, description="Exact run name.")] = None,
-    owner: Annotated[str | None, Query(max_length=100, pattern=OWNER_PATTERN, description="Owner (admins).")] = None,
+    name: Annotated[str | None, Query(max_length=100, pattern=RUN_NAME_PATTERN, description="Exact run name.")] = None,
+    owner: Annotated[
+        str | None, Query(max_length=100, pattern=PRINCIPAL_PATTERN, description="Owner (admins).")
+    ] = None,
     limit: Annotated[int, Query(ge=1, le=200)] = 50,
     cursor: Annotated[str | None, Query(max_length=200, description="`next` of the previous page.")] = None,
 ) -> Page[RunRead]:

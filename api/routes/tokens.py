@@ -8,9 +8,10 @@ from typing import Annotated
 from fastapi import APIRouter, Depends, Path, Query, Request
 
 from api.auth import AdminPrincipal, issue_token
-from api.deps import MAX_ID, SessionDep, SettingsDep, require_json
+from api.bodies import require_json
+from api.deps import MAX_ID, SessionDep, SettingsDep
 from api.errors import ApiError, problem_responses
-from api.schemas import Page, TokenCreate, TokenCreated, TokenRead
+from api.schemas import PRINCIPAL_PATTERN, Page, TokenCreate, TokenCreated, TokenRead
 from orchestrator.store import repo
 
 router = APIRouter(tags=["tokens"])
@@ -38,7 +39,7 @@ def create_token(
 def list_tokens(
     principal: AdminPrincipal,
     session: SessionDep,
-    owner: Annotated[str | None, Query(max_length=100, pattern=r"^[A-Za-z0-9._@-]+$",
+    owner: Annotated[str | None, Query(max_length=100, pattern=PRINCIPAL_PATTERN,
                                        description="Only tokens acting as this principal.")] = None,
 ) -> Page[TokenRead]:
     rows = repo.list_tokens(session=session, principal=owner)

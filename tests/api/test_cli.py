@@ -28,8 +28,9 @@ from typer.testing import CliRunner
 import api.cli  # noqa: F401  (registers the commands)
 from api.app import create_app
 from api.cli.app import app as cli
-from api.cli.client_cmd import PlainView, Tracker, sparkline
+from api.cli.render import sparkline
 from api.cli.serve_cmd import stop_with_app
+from api.cli.watch import PlainView, Tracker
 from api.client import BallastClient
 from orchestrator.policy.states import AttemptState, RunState
 from orchestrator.settings import Settings, get_settings
@@ -480,6 +481,7 @@ def _wait_healthy(url: str, proc: subprocess.Popen[str], timeout: float = 120) -
     raise AssertionError("ballast serve did not become healthy")
 
 
+@pytest.mark.slow  # starts `ballast serve` in a subprocess (imports the whole stack: seconds)
 def test_serve_refuses_a_public_bind_without_auth(tmp_path: Path) -> None:
     proc = subprocess.run(
         [*BALLAST, "serve", "--host", "0.0.0.0"], env=_serve_env(tmp_path), capture_output=True, text=True,
@@ -493,6 +495,7 @@ def test_serve_refuses_a_public_bind_without_auth(tmp_path: Path) -> None:
     assert not (tmp_path / "ballast.db").exists()  # refused before touching anything
 
 
+@pytest.mark.slow  # starts `ballast serve` in a subprocess (imports the whole stack: seconds)
 def test_serve_refuses_an_unreachable_database(tmp_path: Path) -> None:
     port = free_port()
     proc = subprocess.run(
@@ -507,6 +510,7 @@ def test_serve_refuses_an_unreachable_database(tmp_path: Path) -> None:
     assert "Traceback" not in proc.stderr
 
 
+@pytest.mark.slow  # starts `ballast serve` in a subprocess (imports the whole stack: seconds)
 def test_serve_migrates_a_fresh_home_serves_and_stops_cleanly_on_sigterm(tmp_path: Path, recipe_file: Path) -> None:
     port = free_port()
     url = f"http://127.0.0.1:{port}"

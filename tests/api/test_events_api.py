@@ -125,13 +125,17 @@ def test_live_stream_delivers_rows_written_after_it_started(
     monkeypatch.setattr(events_module, "_poll", poll_and_signal)
 
     def scheduler() -> None:
+        # one transaction, as the scheduler's ingest commits: a poll sees all of it or none of it (two commits
+        # could straddle a poll on a loaded machine and split the rows over two polls)
         assert first_poll_done.wait(30)
         with session_factory() as s:
             s.add(AnomalyRow(run_id=run_id, attempt_id=att, seq=1, step=3, kind="nonfinite", detector="nonfinite",
                              value=float("inf"), threshold=None, action="rollback"))
             s.add(MetricPoint(run_id=run_id, attempt_id=att, step=3, loss=float("inf"), grad_norm=2.0))
+            run = s.get(Run, run_id)
+            assert run is not None
+            repo.set_run_state(session=s, run=run, to=RunState.failed, reason="to failed")
             s.commit()
-        _advance(session_factory, run_id, RunState.failed)
 
     worker = threading.Thread(target=scheduler)
     worker.start()

@@ -26,6 +26,8 @@ from api.app import create_app
 from orchestrator.settings import Settings
 from orchestrator.store.db import make_engine, make_session_factory
 
+pytestmark = pytest.mark.slow  # every operation, 25 generated requests each: tens of seconds
+
 # an unbound session factory until the fixture attaches the real one (so the lifespan builds no engine)
 APP = create_app(Settings(database_url="sqlite:///:memory:"), sessionmaker())
 schema = schemathesis.openapi.from_asgi("/openapi.json", APP).exclude(path_regex=r"/events$")

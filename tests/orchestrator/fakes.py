@@ -7,6 +7,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Mapping
 from datetime import timedelta
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +22,7 @@ from orchestrator.settings import Settings
 from orchestrator.store.db import transaction
 from orchestrator.store.models import Attempt, Event, Run, utcnow
 from orchestrator.store.repo import create_run
+from tests import recipes
 from workers.checkpoint import save_checkpoint
 
 
@@ -129,11 +131,7 @@ RECIPE: dict[str, Any] = {
 }
 
 
-def recipe_doc(**sections: dict[str, Any]) -> dict[str, Any]:
-    doc = {k: (dict(v) if isinstance(v, dict) else v) for k, v in RECIPE.items()}
-    for key, value in sections.items():
-        doc[key] = {**doc.get(key, {}), **value}
-    return doc
+recipe_doc = partial(recipes.recipe_doc, RECIPE)
 
 
 def submit(factory: sessionmaker[Session], doc: dict[str, Any] | None = None) -> int:

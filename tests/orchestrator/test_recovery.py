@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from functools import partial
 from typing import Any
 
 import pytest
@@ -9,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from contracts.overrides import apply_overrides
-from contracts.recipe import Recipe, validate_recipe_data
+from contracts.recipe import Recipe
 from orchestrator.policy.recovery import (
     MIN_AGC_LAMBDA,
     AttemptRecord,
@@ -21,12 +22,9 @@ from orchestrator.policy.recovery import (
     manual_retry_checkpoint,
     normalize_overrides,
 )
+from tests.recipes import build_recipe
 
-
-def recipe(**sections: Any) -> Recipe:
-    doc: dict[str, Any] = {"name": "t", "training": {"max_steps": 2000}}
-    doc.update(sections)
-    return validate_recipe_data(doc)
+recipe = partial(build_recipe, {"name": "t", "training": {"max_steps": 2000}})
 
 
 def cps(attempt: int, steps: range | list[int], *, start_id: int = 1, **kw: Any) -> list[CheckpointRecord]:
@@ -521,17 +519,17 @@ def test_retries_never_loosen_and_never_resume_past_the_margin(
 def test_restart_latest_strategy_resumes_the_newest_checkpoint_with_unchanged_settings() -> None:
     """The benchmark baseline: what Ray's FailureConfig does — newest valid checkpoint, healthy or not, same
     settings, no re-warm; it spends the numeric retry budget."""
-    recipe = validate_recipe_data({"name": "r", "recovery": {"strategy": "restart_latest", "max_retries": 1}})
+    r = recipe(recovery={"strategy": "restart_latest", "max_retries": 1})
     ckpts = [CheckpointRecord(id=1, attempt_number=1, step=50, uri="u50", healthy=True),
              CheckpointRecord(id=2, attempt_number=1, step=100, uri="u100", healthy=False)]
     last = AttemptRecord(number=1, kind="initial", outcome="diverged", start_step=0, onset_step=90, final_step=101)
-    plan = decide(recipe, [last], ckpts)
-    assert isinstance(plan, RecoveryPlan)
-    assert plan.kind == "numeric_retry" and plan.resume_from is not None and plan.resume_from.id == 2
-    assert plan.overrides == {} and plan.rewarm_steps == 0 and "restart_latest" in plan.reason
+    p = decide(r, [last], ckpts)
+    assert isinstance(p, RecoveryPlan)
+    assert p.kind == "numeric_retry" and p.resume_from is not None and p.resume_from.id == 2
+    assert p.overrides == {} and p.rewarm_steps == 0 and "restart_latest" in p.reason
     second = AttemptRecord(number=2, kind="numeric_retry", outcome="diverged", start_step=100, onset_step=120,
                            final_step=121, resumed_from_id=2)
-    assert isinstance(decide(recipe, [last, second], ckpts), GiveUp)
+    assert isinstance(decide(r, [last, second], ckpts), GiveUp)
 
 
 # ------------------------------------------------------------------------ judgement: the knob the evidence names

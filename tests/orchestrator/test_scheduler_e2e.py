@@ -12,6 +12,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable, Iterator
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -27,29 +28,26 @@ from orchestrator.settings import Settings
 from orchestrator.store.db import make_engine, make_session_factory, transaction
 from orchestrator.store.models import AnomalyRow, Attempt, CheckpointRow, MetricPoint, Run
 from orchestrator.store.repo import create_run, request_cancel
+from tests.recipes import recipe_doc
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow, pytest.mark.timeout(600)]
 REPO = Path(__file__).resolve().parents[2]
 DEADLINE_S = 420.0  # generous: the CI machine is shared; nothing here asserts on time
 
 
-def tiny_recipe(name: str, *, max_steps: int = 60, faults: list[dict[str, Any]] | None = None,
-                **sections: dict[str, Any]) -> dict[str, Any]:
-    doc: dict[str, Any] = {
-        "name": name,
-        "model": {"name": "tiny_gpt", "vocab_size": 32, "context": 16, "n_layers": 1, "n_heads": 2, "d_model": 32},
-        "data": {"name": "markov", "vocab_size": 32, "seq_len": 16},
-        "training": {"max_steps": max_steps, "batch_size": 8, "seed": 1},
-        "optimizer": {"name": "adamw", "lr": 0.003},
-        "schedule": {"warmup_steps": 5, "decay": "constant"},
-        "checkpoint": {"every_steps": 10, "keep": 3},
-        "detectors": {"grad_norm_spike": {"action": "rollback", "warmup_steps": 10}},
-        "recovery": {"rewarm_steps": 5},
-        "faults": faults or [],
-    }
-    for key, value in sections.items():
-        doc[key] = {**doc.get(key, {}), **value}
-    return doc
+TINY: dict[str, Any] = {
+    "name": "tiny",
+    "model": {"name": "tiny_gpt", "vocab_size": 32, "context": 16, "n_layers": 1, "n_heads": 2, "d_model": 32},
+    "data": {"name": "markov", "vocab_size": 32, "seq_len": 16},
+    "training": {"max_steps": 60, "batch_size": 8, "seed": 1},
+    "optimizer": {"name": "adamw", "lr": 0.003},
+    "schedule": {"warmup_steps": 5, "decay": "constant"},
+    "checkpoint": {"every_steps": 10, "keep": 3},
+    "detectors": {"grad_norm_spike": {"action": "rollback", "warmup_steps": 10}},
+    "recovery": {"rewarm_steps": 5},
+    "faults": [],
+}
+tiny_recipe = partial(recipe_doc, TINY)
 
 
 @pytest.fixture
@@ -147,7 +145,7 @@ def test_a_killed_worker_is_resumed_from_the_newest_checkpoint_without_tightenin
     ray_cluster: Any, store: tuple[Settings, sessionmaker[Session]]
 ) -> None:
     settings, factory = store
-    doc = tiny_recipe("killed-worker", max_steps=40, resources={"num_workers": 2},
+    doc = tiny_recipe(name="killed-worker", training={"max_steps": 40}, resources={"num_workers": 2},
                       faults=[{"type": "kill_worker", "step": 25, "attempt": 1, "rank": 1}])
     run_id = submit(factory, doc)
     drive(Scheduler(settings, factory), factory, run_id)
@@ -169,7 +167,7 @@ def test_a_run_that_keeps_diverging_fails_with_the_reason(
     ray_cluster: Any, store: tuple[Settings, sessionmaker[Session]]
 ) -> None:
     settings, factory = store
-    doc = tiny_recipe("keeps-diverging", max_steps=40, recovery={"max_retries": 1},
+    doc = tiny_recipe(name="keeps-diverging", training={"max_steps": 40}, recovery={"max_retries": 1},
                       faults=[{"type": "grad_scale", "step": 25, "factor": 1e4, "attempt": 1},
                               {"type": "grad_scale", "step": 32, "factor": 1e4, "attempt": 2}])
     run_id = submit(factory, doc)
@@ -187,7 +185,7 @@ def test_cancelling_stops_the_workers_and_ends_the_run_cancelled(
     ray_cluster: Any, store: tuple[Settings, sessionmaker[Session]]
 ) -> None:
     settings, factory = store
-    run_id = submit(factory, tiny_recipe("to-cancel", max_steps=100_000))
+    run_id = submit(factory, tiny_recipe(name="to-cancel", training={"max_steps": 100_000}))
     scheduler = Scheduler(settings, factory)
     drive(scheduler, factory, run_id, until=lambda snap: snap[0] == "running" and snap[2] >= 3)
     with transaction(factory) as s:
@@ -210,7 +208,7 @@ def test_a_killed_scheduler_is_replaced_and_the_run_ends_correctly(
 ) -> None:
     settings, factory = store
     max_steps = 120
-    run_id = submit(factory, tiny_recipe("survives-restart", max_steps=max_steps))
+    run_id = submit(factory, tiny_recipe(name="survives-restart", training={"max_steps": max_steps}))
     env = {**os.environ, "BALLAST_DATABASE_URL": settings.database_url, "BALLAST_HOME": str(tmp_path),
            "BALLAST_CHECKPOINT_ROOT": settings.checkpoint_root, "BALLAST_SCHEDULER_POLL_SECONDS": "0.3",
            "BALLAST_RAY_ADDRESS": ray_cluster.get_runtime_context().gcs_address}

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import math
 import os
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -15,6 +16,7 @@ import torch
 from contracts.checkpoint import CorruptCheckpoint, list_checkpoints
 from contracts.recipe import Recipe, Success
 from contracts.wire import AttemptOutcome, AttemptSpec
+from tests.recipes import build_recipe
 from workers.checkpoint import load_checkpoint
 from workers.context import WorkerContext
 from workers.entry import EngineConfigError, run_attempt
@@ -42,18 +44,7 @@ BASE: dict[str, Any] = {
 DEFAULT_SUCCESS = Success().model_dump()
 
 
-def _merge(base: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
-    out = dict(base)
-    for key, value in extra.items():
-        if isinstance(value, dict) and isinstance(out.get(key), dict):
-            out[key] = _merge(out[key], value)
-        else:
-            out[key] = value
-    return out
-
-
-def make_recipe(**sections: Any) -> Recipe:
-    return Recipe.model_validate(_merge(BASE, sections))
+make_recipe = partial(build_recipe, BASE)
 
 
 def run(recipe: Recipe, tmp_path: Path, sink: ListSink | None = None, **spec: Any) -> AttemptOutcome:
@@ -133,11 +124,8 @@ def test_gradient_spike_on_one_step_is_detected_and_skipped(tmp_path: Path) -> N
 
 
 def test_high_lr_without_warmup_diverges_with_onset(tmp_path: Path) -> None:
-    recipe = Recipe.model_validate({
-        **_merge(BASE, {"model": {"d_model": 128, "n_heads": 4}, "data": {}}),
-        "optimizer": {"name": "adamw", "lr": 0.1},
-        "schedule": {"warmup_steps": 0},
-    })
+    recipe = make_recipe(model={"d_model": 128, "n_heads": 4}, optimizer={"name": "adamw", "lr": 0.1},
+                         schedule={"warmup_steps": 0})
     res = run(recipe, tmp_path)
     assert res.outcome == "diverged"
     assert res.onset_step is not None and res.onset_step <= res.final_step < 30

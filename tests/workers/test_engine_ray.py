@@ -15,8 +15,8 @@ from typing import Any
 
 import pytest
 
-from contracts.recipe import Recipe
 from contracts.wire import AttemptSpec
+from tests.recipes import build_recipe
 from workers.checkpoint import load_checkpoint
 from workers.entry import run_attempt, train_loop_per_worker
 
@@ -95,7 +95,7 @@ def _of(events: list[dict[str, Any]], type: str) -> list[dict[str, Any]]:
 def test_two_workers_agree_resume_exactly_and_checkpoints_load_in_plain_process(
     ray_cluster: Any, tmp_path: Path
 ) -> None:
-    recipe = Recipe.model_validate(RECIPE)
+    recipe = build_recipe(RECIPE)
 
     # A: a fault on rank 1 only; both ranks must take the same rollback decision at step 99
     a = _fit(tmp_path, "a", AttemptSpec(recipe=recipe, checkpoint_dir=str(tmp_path / "scratch")))
@@ -123,7 +123,6 @@ def test_two_workers_agree_resume_exactly_and_checkpoints_load_in_plain_process(
     # the 2-worker checkpoint loads and trains on in a plain process (world size 1)
     state, manifest = load_checkpoint(ckpt100["uri"], expected_sha256=ckpt100["sha256"])
     assert manifest.step == 100 and manifest.healthy and len(state["rng"]) == 2
-    plain = Recipe.model_validate({**RECIPE, "resources": {"num_workers": 1}, "faults": [],
-                                   "training": {**RECIPE["training"], "max_steps": 105}})
+    plain = build_recipe(RECIPE, resources={"num_workers": 1}, faults=[], training={"max_steps": 105})
     res = run_attempt(AttemptSpec(recipe=plain, checkpoint_dir=str(tmp_path / "plain"), resume_from=ckpt100["uri"]))
     assert res.outcome == "succeeded" and res.start_step == 100 and len(res.losses) == 5

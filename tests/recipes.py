@@ -1,0 +1,35 @@
+"""The tests' one recipe builder: a base document with sections merged over it, as a dict or a validated Recipe.
+
+Each test module keeps its own base document (its golden curves and timings depend on its exact sizes) and binds
+it once, e.g. ``make_recipe = partial(build_recipe, BASE)``; then ``make_recipe(optimizer={"lr": 1e-3})``.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Mapping
+from typing import Any
+
+from contracts.recipe import Recipe, validate_recipe_data
+
+MINIMAL: dict[str, Any] = {"name": "t"}
+"""Every section left to its default."""
+
+
+def recipe_doc(base: Mapping[str, Any] = MINIMAL, /, **sections: Any) -> dict[str, Any]:
+    """A copy of ``base`` with each keyword merged in one level deep: a mapping updates that section key by key
+    (``training={"max_steps": 40}`` keeps the base's batch size); anything else (``name``, a ``faults`` list)
+    replaces it. ``base`` is never modified."""
+    doc = copy.deepcopy(dict(base))
+    for key, value in sections.items():
+        current = doc.get(key)
+        if isinstance(value, Mapping) and isinstance(current, Mapping):
+            doc[key] = {**current, **copy.deepcopy(dict(value))}
+        else:
+            doc[key] = copy.deepcopy(value)
+    return doc
+
+
+def build_recipe(base: Mapping[str, Any] = MINIMAL, /, **sections: Any) -> Recipe:
+    """``recipe_doc(base, **sections)`` validated as a recipe (RecipeError names each bad field)."""
+    return validate_recipe_data(recipe_doc(base, **sections))
