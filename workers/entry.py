@@ -48,12 +48,21 @@ def _request_plan(sink: EventSink | None, result: AttemptOutcome, ctx: WorkerCon
     return answer
 
 
+def compute_threads(spec: AttemptSpec) -> int:
+    """Torch intra-op threads of a rank: the CPUs the recipe reserves per worker. Part of the run's determinism:
+    the order of a multi-threaded reduction changes the last bits, so ``ballast train`` on a laptop and a Ray
+    worker of the service end the same chaotic recipe at the same loss only with the same thread count."""
+    return max(1, int(spec.recipe.resources.cpus_per_worker))
+
+
 def run_attempts(spec: AttemptSpec, ctx: WorkerContext, sink: EventSink | None, resume: str | None) -> AttemptOutcome:
     """Run attempts in this worker group: the spec's, then any in-place recovery plan the sink hands back.
 
     Returns the last attempt's outcome, with the earlier ones in ``previous``.
     """
     deterministic_before = torch.are_deterministic_algorithms_enabled()
+    threads_before = torch.get_num_threads()
+    torch.set_num_threads(compute_threads(spec))
     history: list[AttemptOutcome] = []
     try:
         while True:
@@ -71,6 +80,7 @@ def run_attempts(spec: AttemptSpec, ctx: WorkerContext, sink: EventSink | None, 
             resume = spec.resume_from
     finally:
         torch.use_deterministic_algorithms(deterministic_before)
+        torch.set_num_threads(threads_before)
 
 
 def run_attempt(spec: AttemptSpec, sink: EventSink | None = None) -> AttemptOutcome:

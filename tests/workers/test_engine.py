@@ -354,3 +354,30 @@ def test_vanishing_gradients_end_as_vanishing_not_succeeded(tmp_path: Path) -> N
     assert res.outcome == "diverged", res.reason
     assert res.detector in ("vanishing", "never_learned")
     assert any(f["kind"] == "vanishing_gradients" for f in res.findings)
+
+
+class _ThreadProbe(ListSink):
+    def __init__(self) -> None:
+        super().__init__()
+        self.threads: set[int] = set()
+
+    def emit(self, type: str, data: dict[str, Any]) -> None:
+        self.threads.add(torch.get_num_threads())
+        super().emit(type, data)
+
+
+def test_the_thread_count_is_the_recipes_whatever_the_caller_had(tmp_path: Path) -> None:
+    """Issue 9, item 8: `ballast train` (2 threads by default) and a Ray worker (1 CPU) must run a recipe with the
+    same intra-op thread count, or a chaotic recipe ends at two different losses for one seed."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        probe = _ThreadProbe()
+        run(make_recipe(training={"max_steps": 12}), tmp_path / "one", probe)
+        assert probe.threads == {1}
+        assert torch.get_num_threads() == 2  # the caller's setting is restored
+        probe = _ThreadProbe()
+        run(make_recipe(training={"max_steps": 12}, resources={"cpus_per_worker": 2.0}), tmp_path / "two", probe)
+        assert probe.threads == {2}
+    finally:
+        torch.set_num_threads(before)
