@@ -22,6 +22,14 @@ def _new_value(path: str, change: Any) -> Any:
     return change
 
 
+def get_path(doc: Any, path: str) -> Any:
+    """The value at a dotted recipe path (``optimizer.lr``, ``faults.0.step``) of a recipe document."""
+    node = doc
+    for part in path.split("."):
+        node = node[int(part)] if isinstance(node, list) else node[part]
+    return node
+
+
 def _set_path(doc: dict[str, Any], path: str, value: Any) -> None:
     parts = path.split(".")
     node: Any = doc

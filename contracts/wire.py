@@ -37,6 +37,15 @@ def finite_or_none(x: float | None) -> float | None:
     return float(x) if x is not None and math.isfinite(x) else None
 
 
+def one_line(text: Any, limit: int = 300, *, empty: str = "no details") -> str:
+    """One line of an error, shortened: the first, or a traceback's last (the exception itself)."""
+    lines = [ln.strip() for ln in str(text or "").splitlines() if ln.strip()]
+    if not lines:
+        return empty
+    line = lines[-1] if lines[0].startswith("Traceback") else lines[0]
+    return line if len(line) <= limit else line[: limit - 1] + "…"
+
+
 @dataclass(frozen=True, kw_only=True)
 class EndEvent:
     """The ``end`` event: how an attempt ended, as the control plane receives it."""

@@ -1,5 +1,9 @@
 """The recovery policy: after an attempt ends, decide the next attempt (or give up). Pure: no I/O, Ray or SQL.
 
+What each knob does is ``orchestrator/policy/tightening.py``; this module decides whether, from where and which.
+(Why one file of ~470 lines: the policy below is written out in full as prose, a fifth of the file, and the code
+is one decision — budgets, lineage, resume point, changes — that reads best in one place.)
+
 The scheduler builds ``AttemptRecord``s (the run's attempts, oldest first; ``history[-1]`` is the one that just
 ended) and ``CheckpointRecord``s (the run's checkpoints) from the store, calls ``decide`` and applies the result:
 a ``RecoveryPlan`` becomes a new attempt (``kind``, ``parent_checkpoint_id``, ``resume_step``,
@@ -75,32 +79,28 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from contracts.overrides import apply_overrides
-from contracts.recipe import ClipMethod, DType, Recipe, RecoveryStrategy, TightenOrder
+from contracts.overrides import apply_overrides, get_path
+from contracts.recipe import DType, Recipe, Recovery, RecoveryStrategy, TightenOrder
+from contracts.wire import one_line
+from orchestrator.policy.tightening import (
+    AGC,
+    DTYPE,
+    EARLY_FRACTION,
+    HOPELESS_KINDS,
+    LR,
+    MAX_NORM,
+    METHOD,
+    NO_PROGRESS_KINDS,
+    Change,
+    num,
+    tighten_clip,
+    tighten_lr,
+    tighten_order_for,
+    warmup_change,
+)
 
 ATTEMPT_KINDS = frozenset({"initial", "numeric_retry", "crash_restart", "manual"})
 OUTCOMES = frozenset({"diverged", "crashed", "succeeded", "cancelled"})
-MIN_AGC_LAMBDA = 1e-3
-"""Floor for the adaptive-clipping ratio (``clipping.agc_lambda``) when tightening it."""
-
-_LR = "optimizer.lr"
-_METHOD = "clipping.method"
-_MAX_NORM = "clipping.max_norm"
-_AGC = "clipping.agc_lambda"
-_DTYPE = "precision.dtype"
-_WARMUP = "schedule.warmup_steps"
-_WARMUP_FRACTION = "schedule.warmup_fraction"
-
-LOSS_KINDS = frozenset({"divergence", "loss_spike", "degraded", "never_learned", "oscillation", "above_bar",
-                        "nonfinite", "loss_scale_collapse"})
-"""Ends whose evidence is the loss (or a non-finite value): the step size is too large, so the LR goes first."""
-GRADIENT_KINDS = frozenset({"grad_norm_spike", "skip_escalation"})
-"""Ends whose evidence is the gradient alone: a transient spike, so the clip threshold goes first."""
-HOPELESS_KINDS = frozenset({"vanishing", "vanishing_gradients"})
-"""Ends that no tightening of LR or clip can fix: the run fails with the diagnosis."""
-NO_PROGRESS_KINDS = frozenset({"never_learned"})
-EARLY_FRACTION = 0.1
-"""A divergence within this fraction of max_steps (and 10 steps) is early: without a warmup, one is added."""
 
 
 # ------------------------------------------------------------------------------------------------ records
@@ -217,45 +217,21 @@ def effective_values(recipe: Recipe, overrides: Mapping[str, Any] | None) -> dic
     eff = effective_recipe(recipe, overrides)
     return {
         "optimizer.name": eff.optimizer.name.value,
-        _LR: eff.optimizer.lr,
-        _METHOD: eff.clipping.method.value,
-        _MAX_NORM: eff.clipping.max_norm,
-        _AGC: eff.clipping.agc_lambda,
-        _DTYPE: eff.precision.dtype.value,
+        LR: eff.optimizer.lr,
+        METHOD: eff.clipping.method.value,
+        MAX_NORM: eff.clipping.max_norm,
+        AGC: eff.clipping.agc_lambda,
+        DTYPE: eff.precision.dtype.value,
     }
 
 
-def _get_path(doc: Mapping[str, Any], path: str) -> Any:
-    node: Any = doc
-    for part in path.split("."):
-        node = node[part]
-    return node
-
-
 # ------------------------------------------------------------------------------------------- formatting
-def _num(x: float) -> str:
-    """Short, readable number: 0.003, 0.0015, 1e-06, 1.0, 9.3."""
-    s = f"{x:.4g}"
-    if not any(c in s for c in ".en"):  # 'e', 'nan', 'inf'
-        s += ".0"
-    return s
-
-
-def _one_line(text: str | None, limit: int = 200) -> str:
-    """One line of an error, shortened: the first, or a traceback's last (the exception itself)."""
-    lines = [ln.strip() for ln in (text or "").splitlines() if ln.strip()]
-    if not lines:
-        return "no error recorded"
-    line = lines[-1] if lines[0].startswith("Traceback") else lines[0]
-    return line if len(line) <= limit else line[: limit - 1] + "…"
-
-
 def _ended(last: AttemptRecord, onset: int | None = None) -> str:
     if last.outcome == "crashed":
-        return f"attempt {last.number} crashed ({_one_line(last.error)})"
+        return f"attempt {last.number} crashed ({one_line(last.error, 200, empty='no error recorded')})"
     what = last.detector or "anomaly"
     if last.value is not None:
-        what += f"={_num(last.value)}"
+        what += f"={num(last.value)}"
     where = f" at step {onset}" if onset is not None else ""
     return f"attempt {last.number} diverged{where} ({what})"
 
@@ -366,92 +342,6 @@ def _resume_newest(
     )
 
 
-@dataclass(frozen=True)
-class _Change:
-    path: str
-    new: Any
-
-
-@dataclass(frozen=True)
-class _Knob:
-    changes: tuple[_Change, ...]
-    text: str
-    """What changed (for the reason) or, when ``changes`` is empty, why it could not."""
-
-
-def _tighten_lr(eff: Recipe, *, strong: bool = False) -> _Knob:
-    rec, lr = eff.recovery, eff.optimizer.lr
-    if lr <= rec.min_lr:
-        return _Knob((), f"lr at floor {_num(rec.min_lr)}")
-    new = max(lr * (rec.lr_factor ** 2 if strong else rec.lr_factor), rec.min_lr)
-    return _Knob((_Change(_LR, new),), f"lr {_num(lr)}→{_num(new)}")
-
-
-def _tighten_clip(eff: Recipe, median: float | None) -> _Knob:
-    rec, clip = eff.recovery, eff.clipping
-    method = clip.method
-    target: float | None = None
-    if rec.clip_to_median_multiple is not None and median is not None and method is not ClipMethod.per_layer:
-        target = rec.clip_to_median_multiple * median
-    note = f" ({_num(rec.clip_to_median_multiple or 0.0)}×median grad norm {_num(median or 0.0)})"
-    if method is ClipMethod.none:
-        new = max(target if target is not None else clip.max_norm, rec.min_clip)
-        changes = [_Change(_METHOD, ClipMethod.global_norm.value)]
-        if new != clip.max_norm:
-            changes.append(_Change(_MAX_NORM, new))
-        return _Knob(tuple(changes), f"clipping none→global_norm at {_num(new)}{note if target == new else ''}")
-    if method is ClipMethod.adaptive:
-        lam = clip.agc_lambda
-        new = max(lam * rec.clip_factor, MIN_AGC_LAMBDA)
-        if new >= lam:
-            return _Knob((), f"agc_lambda at floor {_num(MIN_AGC_LAMBDA)}")
-        return _Knob((_Change(_AGC, new),), f"agc_lambda {_num(lam)}→{_num(new)}")
-    cur = clip.max_norm
-    if target is not None and target < cur:
-        new, why = max(target, rec.min_clip), note
-    else:
-        new, why = max(cur * rec.clip_factor, rec.min_clip), ""
-    if new >= cur:
-        return _Knob((), f"clip at floor {_num(rec.min_clip)}")
-    return _Knob((_Change(_MAX_NORM, new),), f"clip {_num(cur)}→{_num(new)}{why if new == target else ''}")
-
-
-def tighten_order_for(eff: Recipe, kind: str | None) -> TightenOrder:
-    """Which knob goes first. An explicit ``tighten_order`` is obeyed; ``auto`` reads the evidence: a loss
-    divergence (or a non-finite value) lowers the LR whatever the optimizer, a gradient spike with a healthy loss
-    tightens the clip; anything else falls back to the optimizer family (LR for Adam, clip for SGD)."""
-    order = eff.recovery.tighten_order
-    if order is not TightenOrder.auto:
-        return order
-    if kind in LOSS_KINDS:
-        return TightenOrder.lr_first
-    if kind in GRADIENT_KINDS:
-        return TightenOrder.clip_first
-    return TightenOrder.lr_first if eff.optimizer.is_adam_family else TightenOrder.clip_first
-
-
-def warmup_change(eff: Recipe, onset: int) -> _Knob:
-    """A divergence early in a run without warmup adds one; one during or right after the warmup lengthens it
-    (the peak LR is lowered by the LR knob). Otherwise the schedule is left alone."""
-    max_steps = eff.training.max_steps
-    warmup = eff.schedule.resolved_warmup_steps(max_steps)
-    early = max(10, int(EARLY_FRACTION * max_steps))
-    if warmup == 0 and onset <= early:
-        new = min(max(10, int(EARLY_FRACTION * max_steps)), max_steps // 2)
-        text = f"added a {new}-step warmup (diverged at step {onset} with none)"
-    elif 0 < warmup and onset <= warmup + max(10, warmup // 2):
-        new = min(2 * warmup, max_steps // 2)
-        text = f"warmup {warmup}→{new} steps (diverged at step {onset}, during or right after the warmup)"
-    else:
-        return _Knob((), "")
-    if new <= warmup:
-        return _Knob((), "")
-    changes = [_Change(_WARMUP, new)]
-    if eff.schedule.warmup_fraction is not None:
-        changes.append(_Change(_WARMUP_FRACTION, None))
-    return _Knob(tuple(changes), text)
-
-
 def best_checkpoint(candidates: Sequence[CheckpointRecord]) -> CheckpointRecord | None:
     """The checkpoint to roll back to: the lowest smoothed loss (ties and unknown losses: the newest)."""
     if not candidates:
@@ -474,12 +364,37 @@ def _numeric_retry(
     onset = next((s for s in (last.onset_step, last.final_step) if s is not None), last.start_step)
     if used >= rec.max_retries:
         return GiveUp(f"{_ended(last, onset)}; numeric retry budget exhausted ({used}/{rec.max_retries})")
-
     if last.detector in HOPELESS_KINDS:
         return GiveUp(f"{_ended(last, onset)}; vanishing gradients cannot be fixed by tightening the LR or the "
                       "clip threshold (change the activation, initialisation, normalisation or residuals)")
+    tightened = _tightening(eff, history, last, onset, used)
+    if isinstance(tightened, str):
+        return GiveUp(f"{_ended(last, onset)}; nothing left to tighten ({tightened})")
+    changes, texts = tightened
+    resume, where = _resume_point(rec, lineage, last, onset)
+    resume_step = resume.step if resume is not None else 0
+    overrides = _cumulative(recipe, last, changes)
+    if rec.rewarm_steps:
+        texts.append(f"re-warm {rec.rewarm_steps} steps")
+    data_offset = last.data_offset
+    if rec.skip_data_window:
+        data_offset += max(0, onset - resume_step + 1)
+        texts.append(f"skipped data {resume_step}–{onset}")
+    return RecoveryPlan(
+        kind="numeric_retry",
+        resume_from=resume,
+        resume_step=resume_step,
+        overrides=overrides,
+        rewarm_steps=rec.rewarm_steps,
+        data_offset=data_offset,
+        reason=f"{_ended(last, onset)}; {where}; " + ", ".join(texts),
+    )
 
-    # what to tighten: the knob the evidence points at
+
+def _tightening(
+    eff: Recipe, history: Sequence[AttemptRecord], last: AttemptRecord, onset: int, used: int
+) -> tuple[list[Change], list[str]] | str:
+    """The changes the evidence calls for and their texts, or (a str) why nothing can change: the floors."""
     order = tighten_order_for(eff, last.detector)
     median = next(
         (a.median_grad_norm for a in reversed(history)
@@ -488,29 +403,30 @@ def _numeric_retry(
     )
     # no progress at all: halving is a guess that rarely suffices, so the LR moves by the factor squared
     strong = last.detector in NO_PROGRESS_KINDS or onset <= max(10, int(EARLY_FRACTION * eff.training.max_steps))
-    lr_knob, clip_knob = _tighten_lr(eff, strong=strong), _tighten_clip(eff, median)
+    lr_knob, clip_knob = tighten_lr(eff, strong=strong), tighten_clip(eff, median)
     if order is TightenOrder.both:
         chosen = [lr_knob, clip_knob]
     else:
         primary, secondary = (lr_knob, clip_knob) if order is TightenOrder.lr_first else (clip_knob, lr_knob)
-        retry_no = used + 1
-        chosen = [primary, secondary] if retry_no >= 2 or not primary.changes else [primary]
+        chosen = [primary, secondary] if used + 1 >= 2 or not primary.changes else [primary]
     warm = warmup_change(eff, onset)
     if warm.changes and lr_knob not in chosen:
         chosen.append(lr_knob)  # a too-high peak: lower it as well as lengthening the ramp
-    chosen.append(warm)
-    moved = [k for k in chosen if k.changes]
-    switch_dtype = last.loss_scale_collapsed and rec.fp16_to_bf16 and eff.precision.dtype is DType.fp16
-    if not moved and not switch_dtype:
-        floors = ", ".join(k.text for k in (lr_knob, clip_knob))
-        return GiveUp(f"{_ended(last, onset)}; nothing left to tighten ({floors})")
+    moved = [k for k in (*chosen, warm) if k.changes]
     changes = [c for k in moved for c in k.changes]
     texts = [k.text for k in moved]
-    if switch_dtype:
-        changes.append(_Change(_DTYPE, DType.bf16.value))
+    if last.loss_scale_collapsed and eff.recovery.fp16_to_bf16 and eff.precision.dtype is DType.fp16:
+        changes.append(Change(DTYPE, DType.bf16.value))
         texts.append("precision fp16→bf16 (loss scale collapsed)")
+    if not changes:
+        return ", ".join(k.text for k in (lr_knob, clip_knob))
+    return changes, texts
 
-    # where to resume
+
+def _resume_point(
+    rec: Recovery, lineage: list[CheckpointRecord], last: AttemptRecord, onset: int
+) -> tuple[CheckpointRecord | None, str]:
+    """The best healthy lineage checkpoint clear of the onset (see the module docstring), and how to say it."""
     limit = onset - rec.rollback_margin_steps
     early = last.start_step > 0 and onset - last.start_step <= rec.early_failure_steps
     candidates = [
@@ -518,54 +434,39 @@ def _numeric_retry(
         if c.valid and c.healthy and c.step <= limit and (not early or c.step < last.start_step)
     ]
     resume = best_checkpoint(candidates)
-    resume_step = resume.step if resume is not None else 0
-    where = f"resumed from step {resume_step}" if resume is not None else "restarted from initialisation"
+    where = f"resumed from step {resume.step}" if resume is not None else "restarted from initialisation"
     if resume is not None and resume is not max(candidates, key=_order) and resume.loss is not None:
-        where += f" (its best checkpoint, loss {_num(resume.loss)}, not the newest)"
+        where += f" (its best checkpoint, loss {num(resume.loss)}, not the newest)"
     if early:
         where += f" (went further back: it failed {onset - last.start_step} steps after resuming at step "
         where += f"{last.start_step})"
     elif resume is None:
         margin = rec.rollback_margin_steps
         where += f" (no healthy checkpoint {f'{margin}+ steps ' if margin else ''}before the onset)"
+    return resume, where
 
-    # the new attempt's overrides: a cumulative diff against the original recipe
+
+def _cumulative(recipe: Recipe, last: AttemptRecord, changes: Sequence[Change]) -> dict[str, tuple[Any, Any]]:
+    """The new attempt's overrides: a cumulative diff against the ORIGINAL recipe, checked against the schema."""
     original = recipe.model_dump(mode="json", by_alias=True)
     overrides = normalize_overrides(last.overrides)
     for ch in changes:
-        old = _get_path(original, ch.path)
+        old = get_path(original, ch.path)
         if ch.new == old:
             overrides.pop(ch.path, None)
         else:
             overrides[ch.path] = (old, ch.new)
     apply_overrides(recipe, overrides)  # the plan must yield a recipe the schema accepts
-
-    if rec.rewarm_steps:
-        texts.append(f"re-warm {rec.rewarm_steps} steps")
-    data_offset = last.data_offset
-    if rec.skip_data_window:
-        data_offset += max(0, onset - resume_step + 1)
-        texts.append(f"skipped data {resume_step}–{onset}")
-    reason = f"{_ended(last, onset)}; {where}; " + ", ".join(texts)
-    return RecoveryPlan(
-        kind="numeric_retry",
-        resume_from=resume,
-        resume_step=resume_step,
-        overrides=overrides,
-        rewarm_steps=rec.rewarm_steps,
-        data_offset=data_offset,
-        reason=reason,
-    )
+    return overrides
 
 
 # ------------------------------------------------------------------------------------------ manual retry
 def manual_retry_checkpoint(
     history: Sequence[AttemptRecord], checkpoints: Sequence[CheckpointRecord]
 ) -> CheckpointRecord | None:
-    """Where a manual retry resumes: the newest valid, healthy checkpoint of the lineage of ``history[-1]`` (the
-    run's last ended attempt), as a numeric retry would see it without an onset to stay clear of; None
-    (initialisation) when there is none or no attempt has ended."""
+    """Where a manual retry resumes: the best valid, healthy checkpoint of the lineage of ``history[-1]`` (the
+    run's last ended attempt; ``best_checkpoint``), as a numeric retry would see it without an onset to stay
+    clear of; None (initialisation) when there is none or no attempt has ended."""
     if not history:
         return None
-    candidates = [c for c in _lineage(history, checkpoints) if c.valid and c.healthy]
-    return candidates[-1] if candidates else None
+    return best_checkpoint([c for c in _lineage(history, checkpoints) if c.valid and c.healthy])

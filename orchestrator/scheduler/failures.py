@@ -13,18 +13,10 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from contracts.wire import one_line
 from orchestrator.channel import WorkerFailure
 
 DIED = "worker rank {rank} died (its process exited: killed, out of memory or crashed)"
-
-
-def one_line(text: Any, limit: int = 300) -> str:
-    """One line of an error, shortened: the first, or a traceback's last (the exception itself)."""
-    lines = [ln.strip() for ln in str(text or "").splitlines() if ln.strip()]
-    if not lines:
-        return "no details"
-    line = lines[-1] if lines[0].startswith("Traceback") else lines[0]
-    return line if len(line) <= limit else line[: limit - 1] + "…"
 
 
 @dataclass(frozen=True)

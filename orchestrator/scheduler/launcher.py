@@ -9,8 +9,8 @@ import os
 from collections.abc import Mapping
 from typing import Any, Protocol
 
+from contracts.wire import one_line
 from orchestrator.channel import NAMESPACE, channel_actor_class
-from orchestrator.scheduler.failures import one_line
 from orchestrator.settings import Settings
 
 

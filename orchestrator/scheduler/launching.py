@@ -10,13 +10,12 @@ from typing import Any
 from sqlalchemy.orm import Session
 
 from contracts.recipe import admitted_modules
-from contracts.wire import AttemptSpec
+from contracts.wire import AttemptSpec, one_line
 from orchestrator.channel import NAMESPACE
 from orchestrator.policy.recovery import effective_recipe
 from orchestrator.policy.rules import Happening, Note, Situation, Why, resolve
 from orchestrator.policy.states import TERMINAL_ATTEMPT_STATES, TERMINAL_RUN_STATES, AttemptState, RunState
 from orchestrator.scheduler.context import Context, Execution, attempt_of, clear_claim, cpu_demand
-from orchestrator.scheduler.failures import one_line
 from orchestrator.store.db import transaction
 from orchestrator.store.models import Attempt, CheckpointRow, Run
 from orchestrator.store.records import with_verdict

@@ -19,11 +19,12 @@ from sqlalchemy.orm import Session
 from contracts import checkpoint as contracts_checkpoint
 from contracts.checkpoint import CorruptCheckpoint, local_dir
 from contracts.recipe import RecipeError
+from contracts.wire import one_line
 from orchestrator.policy.recovery import GiveUp, RecoveryPlan, decide
 from orchestrator.policy.rules import Decision, Happening, Note, Situation, Why, resolve
 from orchestrator.policy.states import TERMINAL_ATTEMPT_STATES, AttemptState, RunState
 from orchestrator.scheduler.context import Context, release_if_done
-from orchestrator.scheduler.failures import Failure, one_line
+from orchestrator.scheduler.failures import Failure
 from orchestrator.store.ingest import jsonable
 from orchestrator.store.models import Attempt, CheckpointRow, Run
 from orchestrator.store.records import StoredOutcome, end_event_data, run_checkpoints, run_history, with_verdict

@@ -8,7 +8,7 @@ from typing import Any
 
 from sqlalchemy.orm import Session
 
-from contracts.overrides import apply_overrides
+from contracts.overrides import apply_overrides, get_path
 from contracts.recipe import Recipe, admitted_modules, recipe_to_dict
 from orchestrator.policy.recovery import manual_retry_checkpoint
 from orchestrator.policy.rules import Happening, Note, Situation, Why, resolve
@@ -82,7 +82,7 @@ def request_retry(
     for path, value in (overrides or {}).items():
         merged[path] = _override_new(value)
     effective = apply_overrides(recipe, merged)
-    diff = {path: [_get_path(base_doc, path), _get_path(recipe_to_dict(effective), path)] for path in merged}
+    diff = {path: [get_path(base_doc, path), get_path(recipe_to_dict(effective), path)] for path in merged}
     resume = manual_retry_checkpoint(run_history(run), run_checkpoints(session, run))
     plan: dict[str, Any] = {"rewarm_steps": 0, "data_offset": 0, "resume_uri": None}
     if resume is not None:
@@ -117,8 +117,3 @@ def _override_new(change: Any) -> Any:
     return change
 
 
-def _get_path(doc: Any, path: str) -> Any:
-    node = doc
-    for part in path.split("."):
-        node = node[int(part)] if isinstance(node, list) else node[part]
-    return node

@@ -10,8 +10,9 @@ from typing import Any
 import pytest
 
 import orchestrator.channel as channel_mod
+from contracts.wire import one_line
 from orchestrator.channel import RunChannel, WorkerFailure, worker_failures
-from orchestrator.scheduler.failures import DIED, Failure, one_line, summarize_error
+from orchestrator.scheduler.failures import DIED, Failure, summarize_error
 
 
 def _worker_group_error(failures: dict[int, BaseException]) -> Exception:

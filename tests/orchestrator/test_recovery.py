@@ -12,7 +12,6 @@ from hypothesis import strategies as st
 from contracts.overrides import apply_overrides
 from contracts.recipe import Recipe
 from orchestrator.policy.recovery import (
-    MIN_AGC_LAMBDA,
     AttemptRecord,
     CheckpointRecord,
     GiveUp,
@@ -22,6 +21,7 @@ from orchestrator.policy.recovery import (
     manual_retry_checkpoint,
     normalize_overrides,
 )
+from orchestrator.policy.tightening import MIN_AGC_LAMBDA
 from tests.recipes import build_recipe
 
 recipe = partial(build_recipe, {"name": "t", "training": {"max_steps": 2000}})
