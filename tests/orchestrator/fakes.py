@@ -55,11 +55,12 @@ class FakeChannel:
                                           "healthy": healthy, "verdict": {"weights_finite": True}, "metrics": {}})
         return str(info.path)
 
-    def diverge(self, attempt: int, onset: int) -> dict[str, Any]:
-        self.emit(attempt, "anomaly", {"step": onset, "rank": 0, "kind": "grad_norm_spike",
-                                       "detector": "grad_norm_spike", "value": 9e3, "threshold": 6.0,
+    def diverge(self, attempt: int, onset: int, kind: str = "divergence") -> dict[str, Any]:
+        """A rollback at ``onset``; by default a loss divergence (the policy lowers the LR first for it)."""
+        self.emit(attempt, "anomaly", {"step": onset, "rank": 0, "kind": kind,
+                                       "detector": "loss_spike", "value": 9e3, "threshold": 6.0,
                                        "action": "rollback", "details": {}})
-        end = {"outcome": "diverged", "final_step": onset, "onset_step": onset, "detector": "grad_norm_spike",
+        end = {"outcome": "diverged", "final_step": onset, "onset_step": onset, "detector": kind,
                "value": 9e3, "reason": "spike", "median_grad_norm": 1.0, "loss_scale_collapsed": False}
         self.emit(attempt, "end", end)
         return end
