@@ -11,11 +11,12 @@ STAMP := $(VENV)/.ballast-setup.stamp
 TORCH_VERSION := 2.13.0
 PYTEST_ARGS ?=
 
-.PHONY: help setup test lint demo bench clean distclean
+.PHONY: help setup test test-fast lint demo bench clean distclean
 
 help:
 	@echo "make demo       run the main job end to end on embedded defaults"
 	@echo "make test       set up (if needed) and run the whole test suite (SQLite and PostgreSQL)"
+	@echo "make test-fast  the fast core: no ray/slow/browser tests, SQLite only (no PostgreSQL needed)"
 	@echo "make setup      create $(VENV) with $(PYTHON), torch==$(TORCH_VERSION), then the package with [dev]"
 	@echo "make lint       ruff over the tree, mypy over api orchestrator workers migrations"
 	@echo "make bench      run benchmarks/bench_*.py"
@@ -32,6 +33,11 @@ $(STAMP): pyproject.toml
 # pytest's own exit codes pass through: 5 ("no tests collected") fails the target like any failure.
 test: setup
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
+
+# The developer's loop. SQLite only: the PostgreSQL half doubles every store and API test and does not fit the
+# budget of this target; `make test` runs both backends.
+test-fast: setup
+	BALLAST_TEST_BACKENDS=sqlite $(BIN)/python -m pytest -m "not ray and not slow and not browser" $(PYTEST_ARGS)
 
 lint: setup
 	@status=0; \
