@@ -103,6 +103,8 @@ def plot_case(row: dict[str, Any], data: dict[str, dict[str, Any]], path: Path) 
             ax.annotate("", xy=(nxt["resume_step"], y1), xytext=(end, y0),
                         arrowprops={"arrowstyle": "->", "color": "purple", "lw": 1.5,
                                     "connectionstyle": "arc3,rad=0.3"})
+        if m["onset_step"] is not None:
+            ax.axvline(m["onset_step"], color="gray", ls=":", lw=1)
         ratio = m["final_ratio"]
         ax.set_title(f"{policy}: {m['state'].upper()}, final/ref "
                      f"{'inf' if ratio is not None and not math.isfinite(ratio) else _num(ratio)}, "
@@ -119,6 +121,7 @@ def plot_case(row: dict[str, Any], data: dict[str, dict[str, Any]], path: Path) 
         matplotlib.lines.Line2D([], [], color="k", marker="x", ls="", label="anomaly"),
         matplotlib.lines.Line2D([], [], color="purple", label="rollback: end → resumed step"),
         matplotlib.lines.Line2D([], [], color="gray", alpha=0.45, label="abandoned attempt"),
+        matplotlib.lines.Line2D([], [], color="gray", ls=":", label="onset (fault step or loss > 1.5x min)"),
     ]
     axes[2].legend(handles=handles, fontsize=8, loc="upper right")
     fig.suptitle(f"{row['case']} ({row['family']}, expected {row['expected']}): {row['summary']}", fontsize=11)

@@ -58,29 +58,8 @@ def plan_submissions(cases: list[Case]) -> tuple[list[tuple[str, dict[str, Any]]
     return list(subs.items()), roles
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--half", choices=[*HALVES, "all"], default="all")
-    parser.add_argument("--case", action="append", default=None, help="Only this case (repeatable).")
-    parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
-    parser.add_argument("--no-plots", action="store_true", help="Skip the PNGs (no matplotlib needed).")
-    parser.add_argument("--timeout", type=float, default=3600.0, help="Seconds to wait for all runs.")
-    parser.add_argument("--keep-home", action="store_true", help="Keep the service's BALLAST_HOME (prints it).")
-    args = parser.parse_args(argv)
-
-    if not args.no_plots:
-        try:
-            import matplotlib  # noqa: F401
-        except ImportError:
-            print("matplotlib is missing: `make bench-divergence` installs it (pip install -e '.[bench]'), "
-                  "or pass --no-plots", file=sys.stderr)
-            return 2
-
-    halves = HALVES if args.half == "all" else (args.half,)
-    cases = load_cases(halves, args.case)
-    subs, roles = plan_submissions(cases)
-    print(f"{len(cases)} case(s), {len(subs)} run(s) to submit", file=sys.stderr)
-    started = time.monotonic()
+def _serve_and_collect(subs: list[tuple[str, dict[str, Any]]], args: argparse.Namespace,
+                       started: float) -> tuple[dict[str, dict[str, Any]], float]:
     home = Path(tempfile.mkdtemp(prefix="ballast-divergence-"))
     collected: dict[str, dict[str, Any]] = {}
     with Service(home) as svc:
@@ -104,7 +83,71 @@ def main(argv: list[str] | None = None) -> int:
         shutil.rmtree(home, ignore_errors=True)
     else:
         print(f"kept BALLAST_HOME {home}", file=sys.stderr)
+    return collected, wall
 
+
+def _attach(url: str, subs: list[tuple[str, dict[str, Any]]]) -> tuple[dict[str, dict[str, Any]], float]:
+    """The finished runs of an earlier invocation, by name, from a running service; wall = first created to last
+    ended."""
+    from datetime import datetime
+
+    svc = Service.__new__(Service)
+    import httpx
+
+    svc.client = httpx.Client(base_url=url.rstrip("/") + "/api/v1", timeout=60.0)
+    by_name: dict[str, dict[str, Any]] = {}
+    cursor: str | None = None
+    while True:
+        page = svc.get("/runs", params={"limit": 200, **({"cursor": cursor} if cursor else {})})
+        for run in page["data"]:
+            by_name.setdefault(run["name"], run)  # newest first: the latest invocation wins
+        cursor = page.get("next")
+        if not cursor:
+            break
+    collected: dict[str, dict[str, Any]] = {}
+    times: list[datetime] = []
+    for key, doc in subs:
+        run = by_name.get(doc["name"])
+        if run is None or run["state"] not in ("succeeded", "failed", "cancelled"):
+            continue
+        collected[key] = svc.collect(run["id"], max_steps=int(doc["training"]["max_steps"]))
+        times += [datetime.fromisoformat(run["created_at"]), datetime.fromisoformat(run["ended_at"])]
+    wall = (max(times) - min(times)).total_seconds() if times else 0.0
+    return collected, wall
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--half", choices=[*HALVES, "all"], default="all")
+    parser.add_argument("--case", action="append", default=None, help="Only this case (repeatable).")
+    parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
+    parser.add_argument("--no-plots", action="store_true", help="Skip the PNGs (no matplotlib needed).")
+    parser.add_argument("--timeout", type=float, default=3600.0, help="Seconds to wait for all runs.")
+    parser.add_argument("--keep-home", action="store_true", help="Keep the service's BALLAST_HOME (prints it).")
+    parser.add_argument("--attach", metavar="URL", default=None,
+                        help="Submit nothing: read the runs of an earlier invocation from the `ballast serve` at URL "
+                             "(found by name) and report the cases whose runs have all finished.")
+    args = parser.parse_args(argv)
+
+    if not args.no_plots:
+        try:
+            import matplotlib  # noqa: F401
+        except ImportError:
+            print("matplotlib is missing: `make bench-divergence` installs it (pip install -e '.[bench]'), "
+                  "or pass --no-plots", file=sys.stderr)
+            return 2
+
+    halves = HALVES if args.half == "all" else (args.half,)
+    cases = load_cases(halves, args.case)
+    subs, roles = plan_submissions(cases)
+    print(f"{len(cases)} case(s), {len(subs)} run(s) to submit", file=sys.stderr)
+    started = time.monotonic()
+    if args.attach:
+        collected, wall = _attach(args.attach, subs)
+        cases = [c for c in cases if all(roles[(c.name, role)] in collected for role in (*POLICIES, "reference"))]
+        print(f"{len(cases)} case(s) with every run finished", file=sys.stderr)
+    else:
+        collected, wall = _serve_and_collect(subs, args, started)
     rows: list[dict[str, Any]] = []
     for case in cases:
         ref_data = collected[roles[(case.name, "reference")]]
