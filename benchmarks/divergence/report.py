@@ -17,6 +17,8 @@ def _num(v: float | None, fmt: str = "{:.2f}") -> str:
         return "–"
     if isinstance(v, float) and not math.isfinite(v):
         return "inf"
+    if isinstance(v, float) and abs(v) >= 1e4:
+        return f"{v:.2e}"
     return fmt.format(v)
 
 
@@ -81,11 +83,12 @@ def plot_case(row: dict[str, Any], data: dict[str, dict[str, Any]], path: Path) 
         ax.plot([s for _, s, _ in ref_pts], [v for _, _, v in ref_pts], "k--", lw=1, alpha=0.6, label="reference")
         pts = series(d, "loss")
         attempts = sorted({a for a, _, _ in pts} | {a["number"] for a in d["attempts"]})
-        for i, att in enumerate(attempts):
+        for att in attempts:
             xs = [s for a, s, _ in pts if a == att]
             ys = [v for a, s, v in pts if a == att]
-            ax.plot(xs, ys, color=COLORS[policy], lw=1.2, alpha=1.0 if att == attempts[-1] else 0.45,
-                    ls="-" if i % 2 == 0 else "-.", label=f"attempt {att}")
+            final = att == attempts[-1]
+            ax.plot(xs, ys, color=COLORS[policy], lw=1.4 if final else 1.0, alpha=1.0 if final else 0.4,
+                    ls="-", label=f"attempt {att}")
         by_step = {(a, s): v for a, s, v in pts}
         for an in d["anomalies"]:
             y = by_step.get((an["attempt"], an["step"]), cap)
@@ -120,7 +123,7 @@ def plot_case(row: dict[str, Any], data: dict[str, dict[str, Any]], path: Path) 
         matplotlib.lines.Line2D([], [], color="k", ls="--", label="reference (safe setting)"),
         matplotlib.lines.Line2D([], [], color="k", marker="x", ls="", label="anomaly"),
         matplotlib.lines.Line2D([], [], color="purple", label="rollback: end → resumed step"),
-        matplotlib.lines.Line2D([], [], color="gray", alpha=0.45, label="abandoned attempt"),
+        matplotlib.lines.Line2D([], [], color="gray", alpha=0.4, label="abandoned attempt (final: solid)"),
         matplotlib.lines.Line2D([], [], color="gray", ls=":", label="onset (fault step or loss > 1.5x min)"),
     ]
     axes[2].legend(handles=handles, fontsize=8, loc="upper right")
