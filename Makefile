@@ -11,7 +11,7 @@ STAMP := $(VENV)/.ballast-setup.stamp
 TORCH_VERSION := 2.13.0
 PYTEST_ARGS ?=
 
-.PHONY: help setup test test-fast lint demo bench clean distclean
+.PHONY: help setup test test-fast lint demo bench bench-divergence clean distclean
 
 help:
 	@echo "make demo       run the main job end to end on embedded defaults"
@@ -20,6 +20,7 @@ help:
 	@echo "make setup      create $(VENV) with $(PYTHON), torch==$(TORCH_VERSION), then the package with [dev]"
 	@echo "make lint       ruff over the tree, mypy over api orchestrator workers migrations"
 	@echo "make bench      run benchmarks/bench_*.py"
+	@echo "make bench-divergence   the divergence benchmark, both halves (~20 min on 2 cores)"
 	@echo "make clean      remove local state and caches (distclean: the venv too)"
 
 setup: $(STAMP)
@@ -49,11 +50,16 @@ demo: setup
 	PATH="$(abspath $(BIN)):$$PATH" bash scripts/demo.sh
 
 bench: setup
+	$(BIN)/python -m pip install --quiet -e '.[bench]'
 	@found=0; for f in benchmarks/bench_*.py; do \
 	  [ -e "$$f" ] || continue; found=1; \
 	  echo "== $$f"; $(BIN)/python "$$f" || exit 1; \
 	done; \
 	[ $$found = 1 ] || echo "no benchmarks yet (benchmarks/bench_*.py)"
+
+bench-divergence: setup
+	$(BIN)/python -m pip install --quiet -e '.[bench]'
+	$(BIN)/python -m benchmarks.divergence.run --half all --out benchmarks/divergence/results
 
 clean:
 	rm -rf .ballast .pytest_cache .mypy_cache .ruff_cache .hypothesis build dist

@@ -7,7 +7,8 @@ by asking for the same indices again, and different ranks draw different (indepe
 Batch shapes (CPU tensors; the engine moves them to its device):
 
 - ``markov`` (kind ``tokens``): inputs and targets ``(B, seq_len)`` int64, targets shifted by one token.
-- ``regression`` (kind ``features``): inputs ``(B, dim)`` float32, targets ``(B, 1)`` float32.
+- ``regression`` (kind ``features``): inputs ``(B, dim)`` float32, targets ``(B, 1)`` float32 (with
+  ``fixed_design``: rows of one fixed design matrix, so the loss Hessian and its λmax are known).
 - ``sequence`` (kind ``sequence``): inputs and targets ``(B, seq_len, dim)`` float32.
 - ``custom``: whatever the factory returns; dimensions are read off its first batch.
 """
@@ -98,8 +99,17 @@ def stream_seed(*parts: object) -> int:
     return int.from_bytes(hashlib.blake2b(text, digest_size=8).digest(), "little") >> 1
 
 
+# Fields added to a data section after its batches were first defined: left out of the stream key while they
+# hold their default, so every batch of a recipe that does not use them stays bit-identical.
+_KEY_NEUTRAL_DEFAULTS: dict[type, dict[str, Any]] = {RegressionData: {"fixed_design": False, "num_samples": 256}}
+
+
 def _spec_key(spec: Any) -> str:
-    return json.dumps(spec.model_dump(mode="json"), sort_keys=True, separators=(",", ":"))
+    dumped = spec.model_dump(mode="json")
+    for name, default in _KEY_NEUTRAL_DEFAULTS.get(type(spec), {}).items():
+        if dumped.get(name) == default:
+            dumped.pop(name, None)
+    return json.dumps(dumped, sort_keys=True, separators=(",", ":"))
 
 
 # ---------------------------------------------------------------------------------------------- the source
@@ -263,9 +273,30 @@ class RegressionSource(DataSource):
 
     Σ = Q diag(λ) Qᵀ with λ log-spaced from 1 down to 1/condition and Q a random rotation; Q and w come from
     ``spec.seed`` (the same function on every rank and attempt). The MSE floor is ``noise²``.
+
+    ``fixed_design``: a design matrix X of ``num_samples`` rows and its labels (noise included) are drawn once
+    from ``spec.seed`` and shared by every rank and attempt; training batch ``index`` is ``batch_size`` distinct
+    rows drawn uniformly from X (every row, in order, when ``batch_size == num_samples``: full-batch gradient
+    descent). Eval batches are fresh draws from the same distribution (generalisation). The full-batch MSE of a
+    linear model is then a fixed quadratic whose Hessian is known exactly: ``hessian_lambda_max`` (below) is its
+    largest eigenvalue, so plain gradient descent is stable for ``lr < 2 / hessian_lambda_max`` and diverges
+    beyond. ``loss_floor`` stays ``noise²`` (the population floor; the training set's own least-squares optimum
+    is slightly lower, ``design_loss_floor``).
     """
 
     kind: DataKind = "features"
+    design_inputs: Tensor | None = None
+    """fixed_design: the (num_samples, dim) float32 design matrix X."""
+    design_targets: Tensor | None = None
+    """fixed_design: the (num_samples, 1) float32 labels of X."""
+    hessian_lambda_max: float | None = None
+    """fixed_design: largest eigenvalue of the Hessian of the full-batch MSE of the built-in ``linear`` model with
+    an intercept, 2 · λmax([X 1]ᵀ[X 1] / N) (``hessian_lambda_max_no_bias`` without the intercept); plain
+    (momentum-free) full-batch gradient descent diverges for lr > 2 / hessian_lambda_max."""
+    hessian_lambda_max_no_bias: float | None = None
+    """fixed_design: 2 · λmax(XᵀX / N), the same for ``linear`` with ``bias: false``."""
+    design_loss_floor: float | None = None
+    """fixed_design: the least-squares optimum of the full-batch MSE on X (with an intercept)."""
 
     def __init__(self, spec: RegressionData, *, seed: int, batch_size: int, rank: int, world_size: int) -> None:
         super().__init__(spec, seed=seed, batch_size=batch_size, rank=rank, world_size=world_size)
@@ -286,8 +317,36 @@ class RegressionSource(DataSource):
         self._w = w.float()[:, None]
         self.noise = spec.noise
         self.loss_floor = spec.noise**2
+        self.fixed_design = spec.fixed_design
+        if spec.fixed_design:
+            self._build_design(spec)
+
+    def _build_design(self, spec: RegressionData) -> None:
+        n = spec.num_samples
+        if self.batch_size > n:
+            raise SpecError(f"training.batch_size: {self.batch_size} exceeds data.num_samples ({n}) of the fixed "
+                            "design (a batch is distinct rows of it)")
+        g = torch.Generator().manual_seed(stream_seed("regression-design", spec.seed, n))
+        z = torch.randn(n, self.input_dim or 0, generator=g)
+        x = z @ self._mix
+        y = x @ self._w
+        if self.noise > 0:
+            y = y + self.noise * torch.randn(n, 1, generator=g)
+        self.design_inputs, self.design_targets = x, y
+        xd = x.double()
+        aug = torch.cat([xd, torch.ones(n, 1, dtype=torch.float64)], dim=1)
+        self.hessian_lambda_max = float(2.0 * torch.linalg.eigvalsh(aug.T @ aug / n).max())
+        self.hessian_lambda_max_no_bias = float(2.0 * torch.linalg.eigvalsh(xd.T @ xd / n).max())
+        coef = torch.linalg.lstsq(aug, y.double()).solution
+        self.design_loss_floor = float(((aug @ coef - y.double()) ** 2).mean())
 
     def _make(self, gen: torch.Generator, index: int, stream: str) -> tuple[Tensor, Tensor]:
+        if self.design_inputs is not None and self.design_targets is not None and stream == "train":
+            n = self.design_inputs.shape[0]
+            if self.batch_size == n:
+                return self.design_inputs.clone(), self.design_targets.clone()
+            rows = torch.randperm(n, generator=gen)[: self.batch_size]
+            return self.design_inputs[rows], self.design_targets[rows]
         z = torch.randn(self.batch_size, self.input_dim or 0, generator=gen)
         x = z @ self._mix
         y = x @ self._w

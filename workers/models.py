@@ -229,7 +229,10 @@ class RecurrentNet(BallastModel):
     """Stacked single-layer RNN/GRU/LSTM layers and a linear per-position head; MSE loss.
 
     Blocks are the recurrent layers followed by the head (separate layers, so the depth profile and freezing
-    see each one). PyTorch's default recurrent initialisation.
+    see each one). PyTorch's default recurrent initialisation; with ``recurrent_spectral_radius`` ρ, each
+    hidden-to-hidden matrix (each gate's block for GRU/LSTM) is then replaced by a random orthogonal matrix times ρ
+    (every eigenvalue of modulus ρ), drawn after the default init from the same RNG, so ρ = None leaves every
+    weight exactly as before.
     """
 
     def __init__(self, spec: RecurrentModel, input_dim: int, output_dim: int) -> None:
@@ -239,6 +242,19 @@ class RecurrentNet(BallastModel):
         ]
         layers.append(nn.Linear(spec.hidden, output_dim))
         self.blocks = nn.ModuleList(layers)
+        if spec.recurrent_spectral_radius is not None:
+            self._set_recurrent_spectral_radius(spec.recurrent_spectral_radius, spec.hidden)
+
+    def _set_recurrent_spectral_radius(self, radius: float, hidden: int) -> None:
+        with torch.no_grad():
+            for block in self.blocks:
+                if not isinstance(block, RecurrentLayer):
+                    continue
+                w = block.rnn.weight_hh_l0  # (gates * hidden, hidden): one square block per gate
+                for gate in range(w.shape[0] // hidden):
+                    square = torch.empty(hidden, hidden)
+                    nn.init.orthogonal_(square)
+                    w[gate * hidden:(gate + 1) * hidden].copy_(square * radius)
 
     def forward(self, batch: Batch) -> Tensor:
         inputs, targets = batch

@@ -37,6 +37,12 @@ class RegressionData(Section):
     """Condition number of the input covariance (large values make optimisation ill-conditioned)."""
     seed: StrictInt = Field(default=1234, ge=0)
     """Seed of the ground-truth function."""
+    fixed_design: bool = False
+    """Draw a fixed design matrix of num_samples rows once (from seed) and sample batches from its rows, so the
+    full-batch loss and its Hessian are fixed and the stability limit 2/lambda_max is known (false: fresh inputs
+    every batch)."""
+    num_samples: int = Field(default=256, ge=1, le=1_000_000)
+    """Rows of the fixed design matrix (fixed_design only); a batch_size equal to it is full-batch training."""
 
 
 class SequenceTask(StrEnum):

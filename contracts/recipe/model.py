@@ -85,6 +85,9 @@ class RecurrentModel(Section):
     """Hidden state size."""
     layers: StrictInt = Field(default=1, ge=1, le=16)
     """Stacked recurrent layers."""
+    recurrent_spectral_radius: float | None = Field(default=None, gt=0.0, le=100.0)
+    """Initialise each recurrent (hidden-to-hidden) matrix as a random orthogonal matrix times this value, so every
+    eigenvalue has this modulus (above 1: past the edge of chaos, exploding gradients); None: PyTorch's default."""
 
 
 class LinearModel(Section):

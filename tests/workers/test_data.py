@@ -224,3 +224,64 @@ def test_custom_data_accepted_when_allowed_and_deterministic_per_rank() -> None:
 def test_custom_data_bad_factory_is_a_clear_error(factory: str, message: str) -> None:
     with pytest.raises(SpecError, match=message):
         build_data(_custom_data(factory), seed=0, batch_size=2, allowed_import_modules=[FIXTURES])
+
+
+# ------------------------------------------------------------------------------------ fixed-design regression
+def test_regression_default_batches_are_unchanged_by_the_fixed_design_fields() -> None:
+    """The stream key leaves the new fields out at their defaults: today's recipes see bit-identical batches."""
+    from workers.data import _spec_key
+
+    spec = RegressionData(dim=5, condition=10.0, noise=0.1)
+    assert "fixed_design" not in _spec_key(spec) and "num_samples" not in _spec_key(spec)
+    x, y = build_data(spec, seed=0, batch_size=3).batch(0)
+    assert build_data(spec, seed=0, batch_size=3).design_inputs is None  # type: ignore[attr-defined]
+    assert "fixed_design" in _spec_key(RegressionData(dim=5, fixed_design=True))
+    assert torch.equal(x, build_data(RegressionData(dim=5, condition=10.0, noise=0.1, num_samples=256),
+                                     seed=0, batch_size=3).batch(0)[0])
+
+
+def test_fixed_design_batches_are_rows_of_one_matrix_with_a_known_hessian() -> None:
+    spec = RegressionData(dim=6, condition=10.0, noise=0.1, seed=2, fixed_design=True, num_samples=40)
+    data = build_data(spec, seed=0, batch_size=8)
+    other_rank = build_data(spec, seed=0, batch_size=8, rank=1, world_size=2)
+    x_all, y_all = data.design_inputs, data.design_targets  # type: ignore[attr-defined]
+    assert x_all.shape == (40, 6) and y_all.shape == (40, 1)
+    assert torch.equal(x_all, other_rank.design_inputs)  # type: ignore[attr-defined]  # one design for all ranks
+    rows = {tuple(r) for r in x_all.tolist()}
+    for index in (0, 5):
+        x, y = data.batch(index)
+        assert x.shape == (8, 6) and len({tuple(r) for r in x.tolist()}) == 8
+        assert all(tuple(r) in rows for r in x.tolist())
+        assert torch.equal(x, data.batch(index)[0])
+    assert not torch.equal(data.batch(0)[0], data.batch(1)[0])
+    assert not any(tuple(r) in rows for r in data.eval_batch(0)[0].tolist())  # eval: fresh draws
+    aug = torch.cat([x_all.double(), torch.ones(40, 1, dtype=torch.float64)], 1)
+    assert data.hessian_lambda_max == pytest.approx(  # type: ignore[attr-defined]
+        float(torch.linalg.eigvalsh(2 * aug.T @ aug / 40).max()), rel=1e-9)
+    full = build_data(spec, seed=0, batch_size=40)
+    assert torch.equal(full.batch(3)[0], x_all)  # batch_size == num_samples: full batch, in order
+    with pytest.raises(SpecError, match="training.batch_size"):
+        build_data(spec, seed=0, batch_size=41)
+
+
+@pytest.mark.parametrize(("k", "diverges"), [(0.9, False), (1.1, True)])
+def test_full_batch_gd_on_the_fixed_design_diverges_exactly_beyond_2_over_lambda_max(k: float,
+                                                                                    diverges: bool) -> None:
+    from contracts.recipe import LinearModel
+    from workers.models import build_model
+
+    spec = RegressionData(dim=6, condition=10.0, noise=0.1, seed=2, fixed_design=True, num_samples=40)
+    data = build_data(spec, seed=0, batch_size=40)
+    model = build_model(LinearModel(), data, seed=0)
+    lam = data.hessian_lambda_max  # type: ignore[attr-defined]
+    opt = torch.optim.SGD(model.parameters(), lr=k * 2 / lam, momentum=0.0)
+    with torch.no_grad():
+        first = float(model(data.batch(0)))
+    for step in range(200):
+        opt.zero_grad()
+        loss = model(data.batch(step))
+        loss.backward()
+        opt.step()
+    with torch.no_grad():
+        last = float(model(data.batch(0)))
+    assert (not math.isfinite(last) or last > 100 * first) if diverges else last < first

@@ -283,3 +283,35 @@ def test_custom_model_bad_import_string_is_refused() -> None:
     spec = CustomModel.model_construct(factory="not an import", params={})
     with pytest.raises(SpecError, match="is not a 'module:function' import string"):
         build_model(spec, allowed_import_modules=["not an import"])
+
+
+# --------------------------------------------------------------------------------- recurrent spectral radius
+@pytest.mark.parametrize("cell", ["rnn", "gru", "lstm"])
+def test_recurrent_spectral_radius_sets_every_recurrent_eigenvalue_modulus(cell: str) -> None:
+    from contracts.recipe import RecurrentModel, SequenceData
+    from workers.data import build_data
+
+    data = build_data(SequenceData(seq_len=8, dim=3), seed=0, batch_size=2)
+    model = build_model(RecurrentModel(cell=cell, hidden=16, layers=2, recurrent_spectral_radius=1.5), data, seed=0)
+    for block in model.blocks[:-1]:
+        w = block.rnn.weight_hh_l0.detach()
+        for gate in range(w.shape[0] // 16):
+            mod = torch.linalg.eigvals(w[gate * 16:(gate + 1) * 16].double()).abs()
+            torch.testing.assert_close(mod, torch.full_like(mod, 1.5), atol=1e-5, rtol=0)
+
+
+def test_recurrent_spectral_radius_none_keeps_the_default_init_bit_identical() -> None:
+    from contracts.recipe import RecurrentModel, SequenceData
+    from workers.data import build_data
+
+    data = build_data(SequenceData(seq_len=8, dim=3), seed=0, batch_size=2)
+    default = build_model(RecurrentModel(hidden=16), data, seed=4)
+    explicit = build_model(RecurrentModel(hidden=16, recurrent_spectral_radius=None), data, seed=4)
+    torch.manual_seed(4)
+    reference = nn.RNN(3, 16, batch_first=True)  # what the default init has always been: PyTorch's own
+    for a, b in zip(default.state_dict().values(), explicit.state_dict().values(), strict=True):
+        assert torch.equal(a, b)
+    assert torch.equal(default.blocks[0].rnn.weight_hh_l0, reference.weight_hh_l0)
+    scaled = build_model(RecurrentModel(hidden=16, recurrent_spectral_radius=1.0), data, seed=4)
+    assert torch.equal(scaled.blocks[0].rnn.weight_ih_l0, default.blocks[0].rnn.weight_ih_l0)
+    assert not torch.equal(scaled.blocks[0].rnn.weight_hh_l0, default.blocks[0].rnn.weight_hh_l0)
