@@ -1,5 +1,5 @@
 """Check that every case really diverges, independently of Ballast's detectors: its unstable recipe and its
-reference are trained in this process (``workers.engine.run_attempt``, one torch thread like a service worker)
+reference are trained in this process (``workers.entry.run_attempt``, one torch thread like a service worker)
 with **every detector disabled** and no recovery, so each runs all its steps (or until the loss is non-finite).
 
 A case qualifies when the unguarded unstable run ends non-finite or with a final loss (mean of the last 20 steps)
@@ -38,7 +38,7 @@ def train(recipe: dict[str, Any]) -> list[float]:
 
     from contracts.recipe import validate_recipe_data
     from contracts.wire import AttemptSpec
-    from workers.engine import run_attempt
+    from workers.entry import run_attempt
 
     torch.set_num_threads(1)
     with tempfile.TemporaryDirectory(prefix="ballast-verify-") as tmp:
