@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import pytest
 import sqlalchemy as sa
 from alembic.autogenerate import compare_metadata
 from alembic.runtime.migration import MigrationContext
@@ -170,6 +171,7 @@ def test_drift_test_notices_a_difference(empty_db_url: str) -> None:
     assert [(d[0], d[3].name) for d in diff] == [("remove_column", "stray")]
 
 
+@pytest.mark.slow
 def test_cli_db_upgrade_uses_the_configured_url(empty_db_url: str, backend: str, tmp_path: Path) -> None:
     url = empty_db_url
     if backend == "postgresql":  # also exercises the postgresql:// -> psycopg 3 normalisation
@@ -189,6 +191,7 @@ def test_cli_db_upgrade_uses_the_configured_url(empty_db_url: str, backend: str,
     assert _current(empty_db_url) == _head()
 
 
+@pytest.mark.slow
 def test_cli_db_upgrade_defaults_to_sqlite_under_ballast_home(tmp_path: Path) -> None:
     env = {k: v for k, v in os.environ.items() if not k.startswith("BALLAST_")}
     env["BALLAST_HOME"] = str(tmp_path / "state")

@@ -91,6 +91,7 @@ def one_error_line(result: Any, path: Path) -> str:
 
 # --------------------------------------------------------------------------------------------- examples
 @pytest.mark.parametrize("path", EXAMPLES or [None], ids=lambda p: p.name if p else "no-recipes")
+@pytest.mark.slow
 def test_example_recipe_validates_with_the_cli(path: Path | None) -> None:
     if path is None:
         pytest.fail("recipes/ holds no *.yaml example recipes")
@@ -329,6 +330,7 @@ def test_one_bad_file_among_good_ones_fails_the_command(tmp_path: Path) -> None:
     assert result.stderr.startswith(f"{bad}: optimizer.lr: ")
 
 
+@pytest.mark.slow
 def test_console_script_exit_code_and_message(tmp_path: Path) -> None:
     """The installed `ballast` entry point, not just the Typer app, exits 2 with the one-line error."""
     path = write(tmp_path, UNKNOWN_KEY)

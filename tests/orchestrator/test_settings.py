@@ -139,6 +139,7 @@ def test_limits_are_ranged(monkeypatch: pytest.MonkeyPatch) -> None:
     ]
 
 
+@pytest.mark.slow
 def test_bad_setting_is_a_one_line_cli_error(tmp_path: Path) -> None:
     recipe = tmp_path / "r.yaml"
     recipe.write_text("name: r\n")

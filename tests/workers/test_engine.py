@@ -297,6 +297,7 @@ def _free_port() -> int:
 
 
 @pytest.mark.timeout(300)
+@pytest.mark.slow
 def test_ddp_in_a_process_group_comm_hooks_powersgd_resume_and_in_place_recovery(tmp_path: Path) -> None:
     import subprocess
     import sys

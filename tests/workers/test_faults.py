@@ -66,6 +66,7 @@ def test_corrupt_checkpoint_damages_state_file_then_crashes(tmp_path: Path) -> N
     inj.after_checkpoint(20, ckpt)  # fires once
 
 
+@pytest.mark.slow
 def test_kill_worker_sigkills_the_process() -> None:
     code = (
         "from contracts.recipe import KillWorkerFault\n"

@@ -29,6 +29,8 @@ from workers.entry import run_attempt
 RECIPES = Path(__file__).resolve().parents[2] / "recipes"
 UNSTABLE = sorted(p.name for p in RECIPES.glob("unstable-*.yaml"))
 
+pytestmark = pytest.mark.slow  # whole training runs of the example recipes (minutes in all)
+
 
 def _load(name: str) -> Recipe:
     return load_recipe((RECIPES / name).read_text())
