@@ -24,6 +24,7 @@ from api.auth import TokenCache
 from api.errors import install_error_handlers, problem_response
 from api.metrics import AppMetrics, LatencyMiddleware
 from api.routes import API_PREFIX, api_routers, health_router
+from api.routes.dashboard import install_dashboard
 from api.schemas import Problem
 from orchestrator.recipe import Recipe
 from orchestrator.settings import Settings, get_settings
@@ -144,6 +145,8 @@ def create_app(
         version=getattr(api, "__version__", "0.1.0"),
         description=DESCRIPTION,
         lifespan=_lifespan,
+        docs_url=None,  # /docs and /redoc come from install_dashboard, on vendored assets
+        redoc_url=None,
         openapi_tags=[
             {"name": "runs", "description": "Submit, list, inspect, cancel and retry runs."},
             {"name": "recipes", "description": "Validate recipes; the recipe schema."},
@@ -167,6 +170,7 @@ def create_app(
     for router in api_routers:
         app.include_router(router, prefix=API_PREFIX)
     app.include_router(health_router)
+    install_dashboard(app)
     app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_recipe_bytes)
     app.add_middleware(LatencyMiddleware, metrics=app.state.metrics, prefix=API_PREFIX)
     app.openapi = _openapi(app)  # type: ignore[method-assign]
