@@ -19,6 +19,7 @@ let needsToken = false;
 function render() {
   const root = document.getElementById('main');
   if (unmount) { unmount(); unmount = null; }
+  for (const key of Object.keys(root.dataset)) delete root.dataset[key]; // a view's state is its own
   renderAuth();
   if (authRequired() && !getToken()) {
     fill(root, tokenPrompt());

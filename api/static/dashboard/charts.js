@@ -106,7 +106,9 @@ export function stepChart(spec) {
     return {
       width: plotWidth(),
       height: 230,
-      scales: { x: { time: false }, y: log ? { distr: 3, log: 10 } : {} },
+      // the x range also covers the checkpoints: the final one (step N holds N completed steps) sits at N,
+      // one past the last 0-based step
+      scales: { x: { time: false, range: xRange }, y: log ? { distr: 3, log: 10 } : {} },
       legend: { live: true },
       cursor: { sync: { key: 'ballast-run' }, drag: { x: true, y: false } },
       series: [
@@ -128,6 +130,13 @@ export function stepChart(spec) {
       ],
       hooks: { draw: [drawOverlays] },
     };
+  }
+
+  function xRange(u, min, max) {
+    let lo = min;
+    let hi = max;
+    for (const c of model.checkpoints) { lo = Math.min(lo, c.step); hi = Math.max(hi, c.step); }
+    return hi > lo ? [lo, hi] : [lo - 1, hi + 1];
   }
 
   // ---------------------------------------------------------------------------------------- overlays
@@ -216,7 +225,7 @@ export function stepChart(spec) {
         const v = u.data[line.i][idx];
         if (v !== null && v !== undefined) {
           const py = u.valToPos(v, 'y', true);
-          if (py >= top && py <= top + height) y = py;
+          if (py >= top && py <= top + height) y = Math.max(py, top + 7 * dpr); // keep the mark whole
         }
       }
       const color = ACTION_COLORS[an.action] || UNHEALTHY;

@@ -115,7 +115,7 @@ export function mountRunPage(root, id) {
     })();
     return loading;
   }
-  const soon = throttle(refresh, 1500);
+  const soon = throttle(refresh, 2500);
 
   function follow() {
     if (streaming) return;
