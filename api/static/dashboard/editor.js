@@ -5,7 +5,8 @@
 import { api, ApiError } from './api.js';
 import { el, fill } from './util.js';
 
-const PLACEHOLDER = `apiVersion: ballast/v1
+const PLACEHOLDER = `# Drop or paste a recipe here, for example:
+apiVersion: ballast/v1
 kind: StabilityRecipe
 name: my-run
 model: {name: tiny_gpt, n_layers: 2}
