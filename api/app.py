@@ -23,6 +23,7 @@ from api.bodies import BodyLimitMiddleware
 from api.errors import install_error_handlers
 from api.metrics import AppMetrics, LatencyMiddleware
 from api.routes import API_PREFIX, api_routers, health_router
+from api.routes.dashboard import install_dashboard
 from api.schemas import Problem
 from contracts.recipe import Recipe
 from orchestrator.settings import Settings, get_settings
@@ -100,6 +101,8 @@ def create_app(
         version=getattr(api, "__version__", "0.1.0"),
         description=DESCRIPTION,
         lifespan=_lifespan,
+        docs_url=None,  # /docs and /redoc come from install_dashboard, on vendored assets
+        redoc_url=None,
         openapi_tags=[
             {"name": "runs", "description": "Submit, list, inspect, cancel and retry runs."},
             {"name": "recipes", "description": "Validate recipes; the recipe schema."},
@@ -123,6 +126,7 @@ def create_app(
     for router in api_routers:
         app.include_router(router, prefix=API_PREFIX)
     app.include_router(health_router)
+    install_dashboard(app)
     app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_recipe_bytes)
     app.add_middleware(LatencyMiddleware, metrics=app.state.metrics, prefix=API_PREFIX)
     app.openapi = _openapi(app)  # type: ignore[method-assign]

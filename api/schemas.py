@@ -343,3 +343,17 @@ class Health(BaseModel):
 class Readiness(BaseModel):
     status: Literal["ok", "unavailable"]
     checks: dict[str, str] = Field(description="Each dependency: `ok`, `skipped` or the error.")
+
+
+# --------------------------------------------------------------------------------------------------- layers
+class LayerSnapshot(BaseModel):
+    """Per-layer gradient norms of one attempt at one step (the workers' ``layer_stats`` event)."""
+
+    attempt: int = Field(description="Attempt number.")
+    step: int = Field(description="The step the norms were measured at (0-based).")
+    block_grad_norms: list[Number | None] = Field(
+        description="Gradient norm of each block of the model, input → output (`model.blocks` order)."
+    )
+    layer_grad_norms: dict[str, Number | None] = Field(description="Gradient norm of each named parameter.")
+    update_ratio: Number | None = Field(description="Largest update-to-weight ratio of the step.")
+    diagnosis: str | None = Field(description="What the depth profile suggests, e.g. `vanishing with depth`.")
