@@ -24,7 +24,7 @@ from benchmarks.divergence.service import Service
 from contracts.recipe import RegressionData
 from workers.data import build_data
 
-pytestmark = [pytest.mark.slow, pytest.mark.ray, pytest.mark.timeout(900)]
+pytestmark = [pytest.mark.slow, pytest.mark.ray, pytest.mark.timeout(1800)]
 
 STEPS = 60
 
@@ -69,7 +69,7 @@ def measured(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, dic
     home = Path(tmp_path_factory.mktemp("divergence-smoke"))
     with Service(home) as svc:
         ids = {key: svc.submit(doc) for key, doc in subs}
-        svc.wait(list(ids.values()), timeout_s=600)
+        svc.wait(list(ids.values()), timeout_s=1500)
         steps = {key: int(doc["training"]["max_steps"]) for key, doc in subs}
         data = {key: svc.collect(rid, max_steps=steps[key]) for key, rid in ids.items()}
     out: dict[str, dict[str, Any]] = {}
