@@ -55,6 +55,11 @@ from workers.telemetry import layer_stats_payload, metric_payload
 from workers.verdict import Evidence, Verdict, early_check_step, final_loss, judge_end, judge_progress
 
 
+def _num(x: float | None) -> str:
+    """A detector's number for a reason line: 4 significant digits (``9.579``, not ``9.578632354736328``)."""
+    return "n/a" if x is None else format(x, ".4g")
+
+
 @dataclass
 class StepReport:
     step: int
@@ -296,8 +301,8 @@ class GuardedTrainer:
         res.onset_step = report.decision.onset_step
         if first is not None:
             res.detector, res.value = first.kind, first.value
-            res.reason = (f"{first.kind} at step {report.step} (onset {res.onset_step}): value {first.value} vs "
-                          f"threshold {first.threshold}; rolled back")
+            res.reason = (f"{first.kind} detected at step {report.step}, onset at step {res.onset_step}: value "
+                          f"{_num(first.value)} vs threshold {_num(first.threshold)}; rolled back")
 
     # --------------------------------------------------------------------------------------- verdict
     def _evidence(self) -> Evidence:
