@@ -95,6 +95,6 @@ class Distributed(Section):
     powersgd_start_iter: StrictInt = Field(default=10, ge=1)
     """PowerSGD: steps of vanilla allreduce before compression starts."""
     activation_checkpointing: StrictBool = False
-    """Recompute tiny_gpt block activations in the backward pass."""
+    """Recompute each block's activations in the backward pass (any model whose blocks were found)."""
     freeze_first_n_blocks: StrictInt = Field(default=0, ge=0)
-    """Freeze the first N blocks (tiny_gpt blocks, deep_mlp layers)."""
+    """Freeze the first N blocks (tiny_gpt blocks, deep_mlp layers, a custom model's found blocks)."""

@@ -546,6 +546,10 @@ _OVERRIDES: dict[tuple[type[BaseModel], str], st.SearchStrategy[Any]] = {
     (TinyGPTModel, "d_model"): st.integers(1, 64).map(lambda k: 8 * k),
     (CustomModel, "factory"): st.sampled_from(["mylab:build", "mylab.models.gpt:make"]),
     (recipe_mod.CustomData, "factory"): st.sampled_from(["mylab.data:batches"]),
+    (recipe_mod.DatasetData, "factory"): st.sampled_from(["mylab.data:dataset"]),
+    (recipe_mod.DatasetData, "eval_factory"): st.sampled_from([None, "mylab.data:held_out"]),
+    (recipe_mod.CustomLoss, "function"): st.sampled_from(["mylab.losses:focal"]),
+    (recipe_mod.HFCausalLMModel, "config"): st.just({"model_type": "gpt2", "n_layer": 2}),
 }
 
 
@@ -633,6 +637,8 @@ def _repair(doc: dict[str, Any]) -> dict[str, Any]:
         if sched.get("warmup_steps") is not None:
             sched["warmup_steps"] %= max_steps
     model, data = doc.get("model", {"name": "tiny_gpt"}), doc.get("data", {"name": "markov"})
+    if model["name"] in recipe_mod.BUILTIN_MODELS and doc.get("loss", {}).get("name", "model") != "model":
+        doc["loss"] = {"name": "model"}  # built-in models compute their own loss
     if model["name"] == "tiny_gpt" and data["name"] == "markov":
         data["vocab_size"] = model.get("vocab_size", 64)
         data["seq_len"] = min(data.get("seq_len", 32), model.get("context", 32))

@@ -41,6 +41,25 @@ def make_blockless_model() -> nn.Module:
     return nn.Linear(3, 1)
 
 
+class BadBlocks(TinyCustom):
+    """Breaks the blocks contract: ``blocks`` names a module that is not part of the model."""
+
+    def __init__(self) -> None:
+        super().__init__(3, 8)
+        layers = self.blocks
+        del self.blocks
+        self.layers = layers
+        self.blocks = [layers[0], nn.Linear(8, 1)]  # a plain list: not registered
+
+    def forward(self, batch: tuple[Tensor, Tensor]) -> Tensor:
+        x, y = batch
+        return F.mse_loss(self.layers[1](torch.tanh(self.layers[0](x))), y)
+
+
+def make_bad_blocks_model() -> nn.Module:
+    return BadBlocks()
+
+
 def make_not_a_module() -> dict[str, int]:
     return {"a": 1}
 
