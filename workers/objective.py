@@ -77,7 +77,7 @@ def cross_entropy(logits: Tensor, targets: Tensor, spec: CrossEntropyLoss) -> Te
         raise SpecError(f"loss.name: cross_entropy needs logits [..., C], got shape {_shape(logits)}")
     classes = logits.shape[-1]
     flat = logits.float().reshape(-1, classes)
-    if targets.is_floating_point() and targets.shape == logits.shape:
+    if targets.is_floating_point() and targets.shape == logits.shape and classes > 1:
         return F.cross_entropy(flat, targets.float().reshape(-1, classes), label_smoothing=spec.label_smoothing)
     if targets.is_floating_point() or targets.shape != logits.shape[:-1]:
         raise SpecError(f"loss.name: cross_entropy needs logits [..., C] and integer targets [...], got logits "

@@ -95,8 +95,12 @@ def validate_model(
         except SpecError:
             raise
         except Exception as exc:
+            hint = ""
+            if objective.uses_model_loss and not isinstance(probe, dict):
+                hint = ("; with no loss: section the model gets the whole (inputs, targets) batch and must return "
+                        "its loss (add a loss: section to call model(inputs))")
             raise SpecError(f"{field}: {objective.call_convention(probe)} failed on a data batch: "
-                            f"{type(exc).__name__}: {exc}") from exc
+                            f"{type(exc).__name__}: {exc}{hint}") from exc
         finally:
             model.train(was_training)
     return model
