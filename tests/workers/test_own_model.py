@@ -148,6 +148,15 @@ def test_resume_with_a_dataset_source_is_bit_identical(tmp_path: Path) -> None:
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
+def test_resume_of_a_hugging_face_model_with_dropout_is_bit_identical(tmp_path: Path) -> None:
+    recipe = gpt2_recipe(tmp_path, training={"max_steps": 10, "deterministic": True}, checkpoint={"every_steps": 5})
+    straight = run(recipe, tmp_path / "straight")
+    resumed = run(recipe, tmp_path / "resumed", resume_from=next(c for c in straight.checkpoints if c.step == 5).path)
+    assert resumed.losses == straight.losses[5:]  # the dropout masks too: the RNG is part of the checkpoint
+    a, b = _final_weights(straight), _final_weights(resumed)
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+
 # ------------------------------------------------------------------------------------------- blocks
 class Layer(nn.Module):
     def __init__(self) -> None:
