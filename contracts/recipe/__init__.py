@@ -65,6 +65,7 @@ from contracts.recipe.operations import (
     Checkpoint,
     Compression,
     Distributed,
+    LoRA,
     Recovery,
     RecoveryStrategy,
     Resources,
@@ -89,7 +90,7 @@ from contracts.recipe.training import (
 )
 
 __all__ = [
-    "BUILTIN_MODELS", "CrossEntropyLoss", "CustomLoss", "DatasetData", "HFCausalLMModel", "LossSpec", "MSELoss",
+    "BUILTIN_MODELS", "CrossEntropyLoss", "CustomLoss", "DatasetData", "HFCausalLMModel", "LoRA", "LossSpec", "MSELoss",
     "ModelLoss", "NoDecay", "TokenDType", "TokensFileData",
     "API_VERSION", "DEFAULT_MAX_RECIPE_BYTES", "KIND", "SCHEDULE_PRESETS", "Action", "Activation", "BatchScaleFault",
     "Checkpoint", "ClipMethod", "Clipping", "Compression", "CorruptCheckpointFault", "CrossFieldErrors",

@@ -462,3 +462,32 @@ def test_batch_faults_on_dict_batches() -> None:
     tokens = {"input_ids": torch.ones(2, 4, dtype=torch.long), "labels": torch.ones(2, 4, dtype=torch.long)}
     assert inj.on_batch(0, tokens) is tokens  # nothing to scale: the loss is scaled instead
     assert float(inj.on_loss(0, torch.tensor(1.5), tokens)) == 15.0
+
+
+# ------------------------------------------------------------------------------------------------ LoRA
+@pytest.mark.parametrize("kind", ["classifier", "gpt2"])
+def test_lora_trains_only_the_adapters(tmp_path: Path, kind: str) -> None:
+    pytest.importorskip("peft")
+    if kind == "classifier":
+        recipe = make_recipe(training={"max_steps": 6}, distributed={"lora": {"r": 2, "target_modules": ["1"]}})
+    else:
+        recipe = gpt2_recipe(tmp_path, training={"max_steps": 6}, distributed={"lora": {"r": 2,
+                                                                                        "target_modules": ["c_attn"]}})
+    trainer = GuardedTrainer(AttemptSpec(recipe=recipe, checkpoint_dir=str(tmp_path / "c"),
+                                         allowed_import_modules=ALLOWED), WorkerContext())
+    names = [n for n, _ in trainer.named_params]
+    assert names and all("lora_" in n for n in names)
+    before = {n: p.detach().clone() for n, p in trainer.module.named_parameters()}
+    res = trainer.train()
+    assert res.outcome == "succeeded", res.reason
+    for n, p in trainer.module.named_parameters():
+        assert torch.equal(p, before[n]) == ("lora_B" not in n and "lora_A" not in n), n
+    assert list(_final_weights(res)) == list(trainer.module.state_dict())
+
+
+def test_lora_without_matching_layers_names_the_field(tmp_path: Path) -> None:
+    pytest.importorskip("peft")
+    recipe = make_recipe(distributed={"lora": {"target_modules": ["nothing_here"]}})
+    with pytest.raises(SpecError, match=r"^distributed.lora.target_modules: no layer of Classifier is named"):
+        GuardedTrainer(AttemptSpec(recipe=recipe, checkpoint_dir=str(tmp_path / "c"), allowed_import_modules=ALLOWED),
+                       WorkerContext())
