@@ -130,6 +130,16 @@ def test_a_nan_loss_on_a_hugging_face_model_is_caught_by_the_detectors(tmp_path:
     assert res.outcome == "diverged" and res.final_step == 7 and res.detector == "nonfinite", res.reason
 
 
+def test_the_gpt2_example_recipe_catches_its_nan_loss(tmp_path: Path) -> None:
+    recipe = load_recipe(Path("examples/hf_gpt2/recipe.yaml").read_text())
+    path = write_tokens(tmp_path / "tokens.npy")  # what `python -m examples.hf_gpt2.data` writes
+    recipe = recipe.model_copy(update={"data": recipe.data.model_copy(update={"path": str(path)}),
+                                       "training": recipe.training.model_copy(update={"max_steps": 45})})
+    res = run(recipe, tmp_path)
+    assert res.outcome == "diverged" and res.final_step == 40 and res.detector == "nonfinite", res.reason
+    assert [c.step for c in res.checkpoints if c.healthy] == [25]
+
+
 # ------------------------------------------------------------------------------------------- resume
 def _final_weights(res: AttemptOutcome) -> dict[str, Tensor]:
     state, _ = load_checkpoint(res.checkpoints[-1].path, keys=["model"])
