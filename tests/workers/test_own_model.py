@@ -8,6 +8,8 @@ dict is the user module's own, activation checkpointing keeps gradients, no-deca
 from __future__ import annotations
 
 import copy
+import json
+import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -501,3 +503,26 @@ def test_lora_without_matching_layers_names_the_field(tmp_path: Path) -> None:
     with pytest.raises(SpecError, match=r"^distributed.lora.target_modules: no layer of Classifier is named"):
         GuardedTrainer(AttemptSpec(recipe=recipe, checkpoint_dir=str(tmp_path / "c"), allowed_import_modules=ALLOWED),
                        WorkerContext())
+
+
+# ------------------------------------------------------------------------------------------------- DDP
+@pytest.mark.slow  # two spawned gloo ranks, like test_engine's DDP test
+def test_ddp_on_dict_batches_with_powersgd_resumes_exactly(tmp_path: Path) -> None:
+    import socket
+    import subprocess
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = int(s.getsockname()[1])
+    tokens = write_tokens(tmp_path / "tokens.npy", n_tokens=4096, vocab_size=64)
+    script = Path(__file__).with_name("ddp_own_model_script.py")
+    root = Path(__file__).resolve().parents[2]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")])}
+    proc = subprocess.run([sys.executable, str(script), str(tmp_path), str(port), str(tokens)], capture_output=True,
+                          text=True, timeout=280, cwd=root, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = json.loads((tmp_path / "results0.json").read_text())
+    straight, resumed = out["straight"], out["resumed"]
+    assert straight["outcome"] == resumed["outcome"] == "succeeded" and resumed["start_step"] == 8
+    assert resumed["losses"] == straight["losses"][8:]  # priming ran the dict batch through DDP(**batch)
+    assert out["classifier"]["outcome"] == "succeeded" and len(out["classifier"]["losses"]) == 10
