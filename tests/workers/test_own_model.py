@@ -230,6 +230,16 @@ def test_a_bad_blocks_path_names_the_field(path: str, message: str) -> None:
         find_blocks(Discoverable(), path)
 
 
+def test_pretrained_path_loads_local_weights_without_a_download(tmp_path: Path) -> None:
+    saved = build_model(HFCausalLMModel(config=GPT2), seed=3)
+    saved.save_pretrained(tmp_path / "gpt2")  # type: ignore[operator]
+    loaded = build_model(HFCausalLMModel(pretrained_path=str(tmp_path / "gpt2")), seed=0)
+    assert loaded.training and all(torch.equal(a, b) for a, b in zip(saved.state_dict().values(),
+                                                                     loaded.state_dict().values(), strict=True))
+    with pytest.raises(SpecError, match=r"^model.pretrained_path: cannot load a causal LM from"):
+        build_model(HFCausalLMModel(pretrained_path=str(tmp_path / "missing")))
+
+
 def test_gpt2_blocks_are_transformer_h() -> None:
     model = build_model(HFCausalLMModel(config=GPT2), seed=0)
     assert model_blocks(model) == list(model.transformer.h)  # type: ignore[union-attr,arg-type]
