@@ -135,9 +135,10 @@ def fresh_model(recipe: Recipe, allowed_import_modules: list[str] | None = None)
 def own_module(model: nn.Module) -> nn.Module:
     """The user's module inside wrappers that hold it as ``.module`` (DDP, an adapter): what the weights are."""
     seen: set[int] = set()
-    while isinstance(getattr(model, "module", None), nn.Module) and id(model) not in seen:
+    inner = getattr(model, "module", None)
+    while isinstance(inner, nn.Module) and id(model) not in seen:
         seen.add(id(model))
-        model = model.module
+        model, inner = inner, getattr(inner, "module", None)
     return model
 
 
