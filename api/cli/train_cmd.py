@@ -265,13 +265,14 @@ def _runner(recipe: Recipe, root: Path) -> Iterator[Any]:
     """The attempt runner for this recipe: in this process, or (``num_workers > 1``) a local Ray Train run per
     attempt, with Ray started once for all of them."""
     if recipe.resources.num_workers <= 1:
-        yield _in_process
+        yield run_in_process
         return
     with _RayAttempts(recipe, root) as runner:
         yield runner
 
 
-def _in_process(spec: AttemptSpec, sink: ProgressSink) -> Ended:
+def run_in_process(spec: AttemptSpec, sink: ListSink) -> Ended:
+    """The in-process ``AttemptRunner``: one attempt in this process (world size 1)."""
     from workers.entry import run_attempt
     from workers.faults import InjectedCrash
 
