@@ -12,13 +12,13 @@ is run by an ``AttemptRunner`` (in-process or Ray Train); this module holds the 
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Protocol
 
 from contracts.checkpoint import CorruptCheckpoint, local_dir, read_manifest, verify_checkpoint
 from contracts.overrides import apply_overrides
-from contracts.recipe import Recipe
+from contracts.recipe import Recipe, RecipeError
 from contracts.wire import AttemptSpec, EndEvent, finite_or_none, one_line
 from orchestrator.policy.recovery import AttemptRecord, CheckpointRecord, GiveUp, RecoveryPlan, decide
 
@@ -246,7 +246,10 @@ class LocalRun:
         history = [a.record() for a in self.attempts]
         self._mark_missing()
         for _ in range(MAX_POLICY_ROUNDS):
-            decision = decide(self.recipe, history, self.checkpoints)
+            try:
+                decision = decide(self.recipe, history, self.checkpoints)
+            except (ValueError, RecipeError) as exc:
+                return GiveUp(f"the recovery policy could not decide: {one_line(exc)}")
             if not isinstance(decision, RecoveryPlan) or decision.resume_from is None:
                 return decision
             chosen = decision.resume_from
@@ -274,11 +277,7 @@ class LocalRun:
                 self._invalidate(c.id)
 
     def _invalidate(self, ckpt_id: int) -> None:
-        self.checkpoints = [
-            CheckpointRecord(id=c.id, attempt_number=c.attempt_number, step=c.step, uri=c.uri, healthy=c.healthy,
-                             valid=False, loss=c.loss) if c.id == ckpt_id else c
-            for c in self.checkpoints
-        ]
+        self.checkpoints = [replace(c, valid=False) if c.id == ckpt_id else c for c in self.checkpoints]
 
     def _next(self, plan: RecoveryPlan) -> LocalAttempt:
         number = len(self.attempts) + 1

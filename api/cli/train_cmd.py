@@ -248,6 +248,9 @@ def train(
                         progress.stop()
     except (SpecError, EngineConfigError, RecipeError, CorruptCheckpoint, FileNotFoundError) as exc:
         raise fail(str(exc)) from None
+    except KeyboardInterrupt:  # the second Ctrl-C
+        typer.echo("cancelled", err=True)
+        raise typer.Exit(EXIT_CODES["cancelled"]) from None
     finally:
         if tmp is not None:
             shutil.rmtree(tmp, ignore_errors=True)

@@ -240,3 +240,49 @@ def test_cleaning_strips_the_wrapper_prefix_and_drops_aliases() -> None:
 def test_an_unknown_format_is_refused(trained: Trained, tmp_path: Path) -> None:
     with pytest.raises(ExportError, match="is not one of state_dict, safetensors, hf"):
         export_checkpoint(trained.checkpoint(40), trained.recipe, tmp_path, format="onnx")
+
+
+# ------------------------------------------------------------------------------------- a Hugging Face model
+HF_MODULE = "tests.api.hf_like"
+
+
+@pytest.fixture(scope="module")
+def hf_trained(tmp_path_factory: pytest.TempPathFactory) -> Trained:
+    doc = {**TINY, "name": "hf-like", "model": {"name": "custom", "factory": f"{HF_MODULE}:build",
+                                                "params": {"vocab_size": 64, "d_model": 16}}}
+    recipe = load_recipe(yaml.safe_dump(doc), allowed_import_modules=[HF_MODULE])
+    sinks: list[ListSink] = []
+
+    def make_sink(spec: Any, start: int) -> ListSink:
+        sinks.append(ListSink())
+        return sinks[-1]
+
+    outcome = LocalRun(recipe, tmp_path_factory.mktemp("hf"), run_in_process, make_sink=make_sink,
+                       allowed_import_modules=[HF_MODULE]).run()
+    assert outcome.outcome == "succeeded", outcome.to_dict()["reason"]
+    return Trained(recipe, sinks[-1].events)
+
+
+def test_hf_and_tied_weights(hf_trained: Trained, tmp_path: Path) -> None:
+    from tests.api.hf_like import build
+
+    ckpt = hf_trained.checkpoint(40)
+    saved = saved_weights(ckpt)
+    assert saved["lm_head.weight"].data_ptr() == saved["embed.weight"].data_ptr()  # tied in the checkpoint too
+
+    doc = export_checkpoint(ckpt, hf_trained.recipe, tmp_path / "hf", format="hf", allowed_import_modules=[HF_MODULE])
+    assert sorted(doc["files"]) == ["config.json", "model.safetensors"] and doc["model"]["name"] == "custom"
+    model = build()
+    missing, unexpected = load_model(model, tmp_path / "hf" / "model.safetensors", strict=True)
+    assert not missing and not unexpected
+    assert_equal_weights(model, saved)
+
+    # the model expects both tied names, so a state_dict export keeps both (one storage) and loads strictly
+    export_checkpoint(ckpt, hf_trained.recipe, tmp_path / "sd", allowed_import_modules=[HF_MODULE])
+    weights = torch.load(tmp_path / "sd" / "model.pt", weights_only=True)
+    model = build()
+    model.load_state_dict(weights, strict=True)
+    assert_equal_weights(model, saved)
+
+    with pytest.raises(ExportError, match="cannot rebuild the run's model here"):
+        export_checkpoint(ckpt, hf_trained.recipe, tmp_path / "no", format="safetensors")
