@@ -4,9 +4,9 @@
 ``export_run`` picks the checkpoint through the API (default: the run's latest healthy one) and reads its files
 from the URI the store recorded (a local path, ``file://``, or a URI Ray Train storage reads); ``export_checkpoint``
 does the rest for any checkpoint directory: verify every file against the manifest (and the recorded digest),
-load the ``model`` part weights-only, clean its keys, rebuild the recipe's model (``workers.models.build_model``)
-and load the weights into it with ``strict=True`` before anything is written, so an export always loads back
-into a fresh model.
+load the ``model`` part weights-only, clean its keys, rebuild the recipe's model (``workers.models.build_model``;
+the user's own module when a wrapper holds it as ``.module``) and load the weights into it with ``strict=True``
+before anything is written, so an export always loads back into a fresh model.
 
 Key cleaning: a leading ``module.`` (a DDP/wrapper prefix) is stripped, and a key whose tensor is an alias of an
 earlier key's (same storage, offset, shape and strides: a module registered twice, e.g. a custom model's

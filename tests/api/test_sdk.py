@@ -3,6 +3,9 @@ database backends. The tests play the scheduler's part by writing to the store, 
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -32,6 +35,13 @@ def test_the_public_name_is_the_one_client_the_cli_uses() -> None:
     assert ballast.Client is Client is BallastClient
     assert options.Client is Client
     assert set(ballast.__all__) >= {"Client", "ApiError", "Unreachable", "WaitTimeout"}
+
+
+def test_importing_the_sdk_pulls_in_no_torch_ray_or_server() -> None:
+    code = ("import ballast, sys, json; print(json.dumps(sorted({m.split('.')[0] for m in sys.modules} & "
+            "{'torch', 'ray', 'sqlalchemy', 'fastapi', 'workers', 'orchestrator'})))")
+    out = subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True)
+    assert json.loads(out.stdout) == []
 
 
 def test_submit_takes_text_a_path_or_a_document(url: str, tmp_path: Path) -> None:  # noqa: F811
