@@ -70,6 +70,37 @@ def choose_checkpoint(
     return healthy[0]
 
 
+def find_local_checkpoint(root: str | Path, *, step: int | None = None) -> Path:
+    """A checkpoint on disk: ``root`` itself when it is one, else among the checkpoints directly under it and
+    under its ``attempt-N`` directories (``ballast train --checkpoint-dir``): the newest at ``step`` (healthy
+    first), else the latest healthy one (newest attempt, then step)."""
+    from contracts.checkpoint import MANIFEST, list_checkpoints, read_manifest
+
+    base = Path(root)
+    if (base / MANIFEST).is_file():
+        manifest = read_manifest(base)
+        if step is not None and manifest.step != step:
+            raise ExportError(f"{base}: the checkpoint is at step {manifest.step}, not {step}")
+        return base
+    found = [(0, path, m) for path, m in list_checkpoints(base)]
+    for sub in base.glob("attempt-*"):
+        number = sub.name.removeprefix("attempt-")
+        if sub.is_dir() and number.isdigit():
+            found += [(int(number), path, m) for path, m in list_checkpoints(sub)]
+    if not found:
+        raise ExportError(f"{base}: no checkpoint there (nor under its attempt-N directories)")
+    newest_first = sorted(found, key=lambda f: (f[0], f[2].step), reverse=True)
+    if step is not None:
+        at = [f for f in newest_first if f[2].step == step]
+        if not at:
+            raise ExportError(f"step {step}: no checkpoint there (steps {sorted({f[2].step for f in found})})")
+        return next((f for f in at if f[2].healthy), at[0])[1]
+    healthy = [f for f in newest_first if f[2].healthy]
+    if not healthy:
+        raise ExportError(f"{base}: no healthy checkpoint (pass --step N to export another)")
+    return healthy[0][1]
+
+
 # ---------------------------------------------------------------------------------------------- state dicts
 def _alias_key(t: torch.Tensor) -> tuple[Any, ...]:
     return (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), t.stride(), t.dtype, t.device)

@@ -286,3 +286,37 @@ def test_hf_and_tied_weights(hf_trained: Trained, tmp_path: Path) -> None:
 
     with pytest.raises(ExportError, match="cannot rebuild the run's model here"):
         export_checkpoint(ckpt, hf_trained.recipe, tmp_path / "no", format="safetensors")
+
+
+# -------------------------------------------------------------------------------- a local `ballast train` run
+def test_export_from_a_local_train_directory(tmp_path: Path) -> None:
+    from tests.api.test_train_loop import spiky, write
+
+    recipe_file = write(tmp_path, spiky())  # diverges in attempt 1, recovers in attempt 2
+    trained = CliRunner().invoke(app, ["train", str(recipe_file), "--checkpoint-dir", str(tmp_path / "ckpt"),
+                                       "--json"])
+    assert trained.exit_code == 0, trained.output
+    last = json.loads(trained.stdout)["attempts"][-1]
+    newest = max((c for c in last["checkpoints"] if c["healthy"]), key=lambda c: c["step"])
+
+    res = export(tmp_path / "ckpt", tmp_path / "out", "--recipe", recipe_file, "--format", "safetensors", "--json")
+    assert res.exit_code == 0, res.output
+    doc = json.loads(res.stdout)
+    assert doc["checkpoint"]["source"] == newest["uri"] and doc["checkpoint"]["step"] == newest["step"] == 60
+    recipe = load_recipe(recipe_file.read_text())
+    model = fresh(recipe)
+    model.load_state_dict(load_file(tmp_path / "out" / "model.safetensors"), strict=True)
+    assert_equal_weights(model, saved_weights(Path(newest["uri"])))
+
+    first = json.loads(trained.stdout)["attempts"][0]
+    step = min(c["step"] for c in first["checkpoints"] if c["valid"])
+    res = export(tmp_path / "ckpt", tmp_path / "early", "--recipe", recipe_file, "--step", str(step))
+    assert res.exit_code == 0, res.output
+    assert res.stdout.startswith(str(tmp_path / "ckpt" / "attempt-1" / f"step_{step:08d}"))
+
+    res = export(tmp_path / "ckpt", tmp_path / "x")
+    assert res.exit_code == 2 and "--recipe" in res.stderr
+    res = export(tmp_path / "nowhere", tmp_path / "x", "--recipe", recipe_file)
+    assert res.exit_code == 2 and "not a run id, nor a checkpoint directory" in res.stderr
+    res = export(tmp_path / "ckpt", tmp_path / "x", "--recipe", recipe_file, "--step", "7")
+    assert res.exit_code == 2 and "step 7: no checkpoint there" in res.stderr
