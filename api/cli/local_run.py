@@ -304,7 +304,7 @@ def result_from_sink(
         "start_step": start_step,
         "final_step": final,
         **(end or {}),
-        "losses": [m["loss"] for m in metrics],
+        "losses": [finite_or_none(m["loss"]) if isinstance(m.get("loss"), int | float) else None for m in metrics],
         "findings": sink.of_type("anomaly"),
         "checkpoints": [{"step": c["step"], "path": c["uri"], "healthy": c["healthy"]}
                         for c in sink.of_type("checkpoint")],
