@@ -48,11 +48,6 @@ optimizer:
 
 
 @pytest.fixture
-def url(make_server: Callable[..., str]) -> str:
-    return make_server()
-
-
-@pytest.fixture
 def recipe_file(tmp_path: Path) -> Path:
     path = tmp_path / "demo.yaml"
     path.write_text(YAML_RECIPE)

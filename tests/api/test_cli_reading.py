@@ -79,12 +79,6 @@ def test_db_current_on_an_unreachable_database_is_one_line(monkeypatch: pytest.M
 
 
 # ------------------------------------------------------------------------------------- reading runs at 80 cols
-@pytest.fixture
-def served(make_server: Any) -> str:
-    url: str = make_server()
-    return url
-
-
 def _recovered_run(factory: sessionmaker[Session], name: str) -> int:
     """A run whose attempt 1 diverged (a detector's reason with its numbers) and attempt 2 recovered, with
     three overrides: the rows the scheduler would leave."""
@@ -108,10 +102,10 @@ def _recovered_run(factory: sessionmaker[Session], name: str) -> int:
 
 
 def test_runs_list_fits_80_columns_with_every_short_column_whole(
-    served: str, session_factory: sessionmaker[Session]
+    url: str, session_factory: sessionmaker[Session]
 ) -> None:
     run_id = _recovered_run(session_factory, "an-unusually-long-run-name-for-a-listing")
-    res = run_cli("runs", "list", "--url", served)
+    res = run_cli("runs", "list", "--url", url)
     assert res.exit_code == 0, res.output
     lines = res.stdout.splitlines()
     assert all(len(line) <= 80 for line in lines), lines
@@ -123,10 +117,10 @@ def test_runs_list_fits_80_columns_with_every_short_column_whole(
 
 
 def test_runs_show_prints_whole_reasons_under_a_table_that_fits_80_columns(
-    served: str, session_factory: sessionmaker[Session]
+    url: str, session_factory: sessionmaker[Session]
 ) -> None:
     run_id = _recovered_run(session_factory, "recovered")
-    res = run_cli("runs", "show", str(run_id), "--url", served)
+    res = run_cli("runs", "show", str(run_id), "--url", url)
     assert res.exit_code == 0, res.output
     lines = res.stdout.splitlines()
     header = next(i for i, line in enumerate(lines) if line.split()[:2] == ["#", "KIND"])
@@ -140,20 +134,20 @@ def test_runs_show_prints_whole_reasons_under_a_table_that_fits_80_columns(
     assert any("schedule.warmup_steps 0→20" in line for line in table_lines)
 
 
-def test_output_to_a_pipe_has_no_ansi_codes(served: str, session_factory: sessionmaker[Session]) -> None:
+def test_output_to_a_pipe_has_no_ansi_codes(url: str, session_factory: sessionmaker[Session]) -> None:
     run_id = _recovered_run(session_factory, "piped")
     for args in (("runs", "list"), ("runs", "show", str(run_id)), ("anomalies", str(run_id))):
-        res = run_cli(*args, "--url", served)
+        res = run_cli(*args, "--url", url)
         assert res.exit_code == 0, res.output
         assert "\x1b[" not in res.output, args
 
 
 def test_anomalies_refuses_an_unknown_kind_naming_the_known_ones(
-    served: str, session_factory: sessionmaker[Session]
+    url: str, session_factory: sessionmaker[Session]
 ) -> None:
     run_id = _recovered_run(session_factory, "kinds")
-    res = run_cli("anomalies", str(run_id), "--url", served, "--kind", "loss_spik")
+    res = run_cli("anomalies", str(run_id), "--url", url, "--kind", "loss_spik")
     assert res.exit_code == 2, res.output
     assert "kind" in res.output and "loss_spike" in res.output
-    ok = run_cli("anomalies", str(run_id), "--url", served, "--kind", "loss_spike", "--json")
+    ok = run_cli("anomalies", str(run_id), "--url", url, "--kind", "loss_spike", "--json")
     assert ok.exit_code == 0 and json.loads(ok.stdout)["data"] == []
