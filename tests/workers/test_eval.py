@@ -196,3 +196,24 @@ def test_eval_history_state_roundtrip() -> None:
     late = EvalHistory()
     late.observe(40, 2.5)  # a lineage first evaluated after updates has no initial eval loss
     assert late.initial is None
+
+
+def test_ballast_train_prints_eval_losses_and_returns_them(tmp_path: Path) -> None:
+    import json
+
+    import yaml
+    from typer.testing import CliRunner
+
+    import api.cli  # noqa: F401  (registers the commands)
+    from api.cli.app import app
+    from tests.recipes import recipe_doc
+
+    path = tmp_path / "eval.yaml"
+    path.write_text(yaml.safe_dump(recipe_doc(BASE, training={"max_steps": 20, "eval_interval": 10})))
+    res = CliRunner().invoke(app, ["train", str(path)])
+    assert res.exit_code == 0, res.output
+    assert "eval step 10: eval loss" in res.stderr
+    assert "eval loss: first " in res.stdout and ", best " in res.stdout
+    res = CliRunner().invoke(app, ["train", str(path), "--json"])
+    assert res.exit_code == 0, res.output
+    assert [e["step"] for e in json.loads(res.stdout)["evals"]] == [0, 10, 20]
