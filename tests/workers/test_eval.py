@@ -217,3 +217,28 @@ def test_ballast_train_prints_eval_losses_and_returns_them(tmp_path: Path) -> No
     res = CliRunner().invoke(app, ["train", str(path), "--json"])
     assert res.exit_code == 0, res.output
     assert [e["step"] for e in json.loads(res.stdout)["evals"]] == [0, 10, 20]
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.slow
+def test_ddp_every_rank_holds_the_same_eval_loss_and_the_same_trajectory(tmp_path: Path) -> None:
+    import json
+    import socket
+    import subprocess
+    import sys
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = int(s.getsockname()[1])
+    script = Path(__file__).with_name("ddp_eval_script.py")
+    proc = subprocess.run([sys.executable, str(script), str(tmp_path), str(port)], capture_output=True, text=True,
+                          timeout=280, cwd=Path(__file__).resolve().parents[2])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    r0, r1 = (json.loads((tmp_path / f"results{r}.json").read_text()) for r in (0, 1))
+    assert r0["on"]["outcome"] == r0["off"]["outcome"] == "succeeded"
+    assert [e["step"] for e in r0["on"]["evals"]] == [0, 5, 10, 12]
+    assert all(e["batches"] == 4 and e["eval_loss"] is not None for e in r0["on"]["evals"])  # 2 per rank
+    assert r0["on"]["evals"] == r1["on"]["evals"]  # the all-gathered mean: one number on every rank
+    assert r0["on"]["losses"] == r0["off"]["losses"] == r1["on"]["losses"]
+    [ck12] = [c for c in r0["on"]["checkpoints"] if c["step"] == 12]
+    assert ck12["metrics"]["eval_loss"] == r0["on"]["evals"][-1]["eval_loss"]
