@@ -98,17 +98,19 @@ def _weights(t: GuardedTrainer) -> dict[str, torch.Tensor]:
     return {k: v.detach().clone() for k, v in t.module.state_dict().items()}
 
 
-def test_eval_leaves_the_training_trajectory_bit_identical(tmp_path: Path) -> None:
-    """fp32: losses, grad norms and final weights identical with and without eval (eval draws no training
-    randomness and no training batch, and leaves the modules in training mode)."""
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_eval_leaves_the_training_trajectory_bit_identical(tmp_path: Path, dtype: str) -> None:
+    """Losses, grad norms and final weights identical with and without eval (eval draws no training randomness
+    and no training batch, and leaves the modules in training mode); bf16: eval runs under the same autocast."""
     sections: dict[str, Any] = {"training": {"max_steps": 30, "eval_interval": 5, "deterministic": True},
-                                "checkpoint": {"every_steps": 10}}
+                                "checkpoint": {"every_steps": 10}, "precision": {"dtype": dtype}}
     with_eval = trainer(tmp_path / "a", **sections)
     a = with_eval.train()
     sections["training"] = {**sections["training"], "eval_interval": 0}
     without = trainer(tmp_path / "b", **sections)
     b = without.train()
     assert len(a.evals) == 7 and b.evals == []
+    assert all(e["eval_loss"] is not None for e in a.evals)
     assert a.losses == b.losses and a.grad_norms == b.grad_norms
     wa, wb = _weights(with_eval), _weights(without)
     assert wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)
