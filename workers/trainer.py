@@ -325,7 +325,7 @@ class GuardedTrainer:
         autocast; the RNG state is restored after (eval draws neither training randomness nor training batches)."""
         r = self.recipe
         batches = r.training.eval_batches
-        modes = [(m, m.training) for m in self.module.modules()]
+        modes = [(m, m.training) for m in self.model.modules()]  # the DDP wrapper too
         saved_rng = rng_state()
         loss_sum = torch.zeros((), dtype=torch.float32, device=self.device)
         try:
