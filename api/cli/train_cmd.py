@@ -73,6 +73,8 @@ class ProgressSink(ListSink):
         elif type == "checkpoint":
             state = "[green]healthy[/]" if data["healthy"] else "[red]unhealthy[/]"
             self.progress.console.print(f"checkpoint step {data['step']} {state}: {data['uri']}")
+        elif type == "eval":
+            self.progress.console.print(f"eval step {data['step']}: eval loss {_fmt(data.get('eval_loss'))}")
 
 
 @contextmanager
@@ -169,6 +171,9 @@ def _summary(console: Console, run: LocalOutcome, elapsed: float, kept_dir: str 
     losses = [x for x in result.get("losses", []) if x is not None]
     if losses:
         console.print(f"loss: first {losses[0]:.4g}, last {losses[-1]:.4g}, best {min(losses):.4g}")
+    evals = [e["eval_loss"] for e in result.get("evals", []) if e.get("eval_loss") is not None]
+    if evals:
+        console.print(f"eval loss: first {evals[0]:.4g}, last {evals[-1]:.4g}, best {min(evals):.4g}")
     if result.get("reason"):
         console.print(f"reason: {result['reason']}", highlight=False)
     if run.gave_up:
