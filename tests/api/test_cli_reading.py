@@ -151,3 +151,25 @@ def test_anomalies_refuses_an_unknown_kind_naming_the_known_ones(
     assert "kind" in res.output and "loss_spike" in res.output
     ok = run_cli("anomalies", str(run_id), "--url", url, "--kind", "loss_spike", "--json")
     assert ok.exit_code == 0 and json.loads(ok.stdout)["data"] == []
+
+
+# ------------------------------------------------------------------------------------------ ballast train --steps
+REPO = Path(__file__).resolve().parents[2]
+
+
+@pytest.mark.slow
+def test_train_steps_scales_a_step_count_warmup(tmp_path: Path) -> None:
+    """`--steps 20` on a recipe with `warmup_steps: 30` of 300 trains with a 2-step warmup instead of refusing."""
+    res = CliRunner().invoke(app, ["train", str(REPO / "recipes/baseline.yaml"), "--steps", "20",
+                                   "--checkpoint-dir", str(tmp_path / "ckpt"), "--json"])
+    assert res.exit_code in (0, 1), res.output  # the run's verdict is not the point; that it ran is
+    assert "schedule.warmup_steps 30 → 2" in res.stderr
+    out = json.loads(res.stdout)
+    assert out["final_step"] == 20
+
+
+def test_train_steps_that_a_fault_outlives_name_the_flag(tmp_path: Path) -> None:
+    res = CliRunner().invoke(app, ["train", str(REPO / "recipes/unstable-grad-spike.yaml"), "--steps", "30",
+                                   "--checkpoint-dir", str(tmp_path / "ckpt")])
+    assert res.exit_code == 2
+    assert "faults.0.step" in res.output and "with --steps 30" in res.output and "Traceback" not in res.output
