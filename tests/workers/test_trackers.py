@@ -255,3 +255,21 @@ def test_mlflow_export_reads_back_with_the_mlflow_client(tmp_path: Path, store: 
         assert len(runs) == 1
         steps = [m.step for m in client.get_metric_history(runs[0].info.run_id, "attempt_3/loss")]
         assert sorted(steps) == list(range(40, 60))
+
+
+# ------------------------------------------------------------------------------------------ Ray Train
+@pytest.mark.ray
+@pytest.mark.timeout(300)
+def test_on_ray_train_rank_zero_writes_to_the_servers_export_root(ray_cluster: Any, tmp_path: Path) -> None:
+    from tests.workers.test_engine_ray import RECIPE, _fit
+
+    recipe = build_recipe(RECIPE, training={"max_steps": 20}, faults=[], telemetry={"export": ["tensorboard"]})
+    spec = AttemptSpec(recipe=recipe, checkpoint_dir=str(tmp_path / "scratch"), run_id=11,
+                       export=export_targets(home=tmp_path / "server-home"))
+    events = _fit(tmp_path, "tracked", spec)
+    run_dir = tmp_path / "server-home" / "tensorboard" / "run-11"
+    assert [p.name for p in run_dir.iterdir()] == ["attempt-1"]
+    files = list((run_dir / "attempt-1").iterdir())
+    assert len(files) == 1, "one writer: rank 0's"
+    metrics = [e["data"] for e in events if e["type"] == "metric"]
+    assert series(accumulator(run_dir / "attempt-1"), "loss") == expected(metrics, "loss") and len(metrics) == 20
