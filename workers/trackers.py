@@ -52,6 +52,8 @@ CLOSE_TIMEOUT_S = 30.0
 """How long the end of a worker group waits for the trackers to write what is queued."""
 MLFLOW_BATCH = 1000
 """MLflow's ``log_batch`` limit on metrics per call."""
+MLFLOW_TEXT_LINES = 2000
+"""Lines kept in an MLflow text artifact (anomalies, checkpoints) of one attempt."""
 
 _START = "_attempt_start"
 """The queue's own event: an attempt's first line (attempt, resume point), written before its events."""
@@ -234,6 +236,7 @@ class MlflowExporter:
             run = self.client.create_run(exp_id, run_name=run_name, tags={"ballast.run_key": run_key, **tags})
             self.run_id = run.info.run_id
         self._texts: dict[str, list[str]] = {}
+        self._tagged: set[str] = set()
 
     def write(self, events: list[Event]) -> None:
         metrics: list[Any] = []
@@ -246,7 +249,10 @@ class MlflowExporter:
                            for name, value in scalars(e.type, e.data).items())
             if e.type == "anomaly":
                 self._append(f"{prefix}/anomalies.txt", anomaly_line(e.data), dirty)
-                tags.setdefault(f"ballast.{prefix}.first_anomaly", anomaly_line(e.data))
+                first = f"ballast.{prefix}.first_anomaly"
+                if first not in self._tagged:
+                    self._tagged.add(first)
+                    tags[first] = anomaly_line(e.data)
             elif e.type == "checkpoint":
                 self._append(f"{prefix}/checkpoints.txt", checkpoint_line(e.data), dirty)
             elif e.type == "end":
@@ -264,7 +270,15 @@ class MlflowExporter:
             self.client.log_text(self.run_id, "\n".join(self._texts[path]) + "\n", path)
 
     def _append(self, path: str, line: str, dirty: set[str]) -> None:
-        self._texts.setdefault(path, []).append(line)
+        """A line of a text artifact (rewritten whole when it changes: MLflow has no append), up to
+        ``MLFLOW_TEXT_LINES`` lines; past that the artifact says how many more there were."""
+        lines = self._texts.setdefault(path, [])
+        if len(lines) < MLFLOW_TEXT_LINES:
+            lines.append(line)
+        elif len(lines) == MLFLOW_TEXT_LINES:
+            lines.append("... more not kept here (all of them are in Ballast's store)")
+        else:
+            return
         dirty.add(path)
 
     def close(self, final: Event | None) -> None:
@@ -334,13 +348,17 @@ class TrackerExport:
         return tee
 
     def submit(self, attempt: int, type: str, data: Mapping[str, Any]) -> None:
-        """Never blocks: a full queue drops the event."""
+        """Never blocks and never raises: a full queue drops the event."""
         try:
             self._queue.put_nowait(Event(attempt, type, dict(data), int(time.time() * 1000)))
         except queue.Full:
             self.dropped += 1
             if self.dropped == 1:
                 log.warning("tracker export is behind: dropping events (queue of %d full)", QUEUE_EVENTS)
+        except Exception as exc:  # noqa: BLE001 - an event the trackers cannot take is theirs to lose
+            self.dropped += 1
+            if self.dropped == 1:
+                log.warning("tracker export: dropping an event it cannot queue: %s", exc)
 
     def close(self, timeout: float = CLOSE_TIMEOUT_S) -> None:
         """Write what is queued (waiting at most ``timeout``) and close the trackers."""
