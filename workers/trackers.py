@@ -55,6 +55,10 @@ MLFLOW_BATCH = 1000
 MLFLOW_TEXT_LINES = 2000
 """Lines kept in an MLflow text artifact (anomalies, checkpoints) of one attempt."""
 
+BATCH_SECONDS = 1.0
+"""The writer thread gathers events this long before writing them (at most ``BATCH_EVENTS``)."""
+BATCH_EVENTS = 2000
+
 _START = "_attempt_start"
 """The queue's own event: an attempt's first line (attempt, resume point), written before its events."""
 
@@ -375,23 +379,30 @@ class TrackerExport:
     def _run(self) -> None:
         done = False
         while not done:
-            batch: list[Event] = []
-            item = self._queue.get()
-            while item is not None:
-                batch.append(item)
-                if len(batch) >= 512:
-                    break
-                try:
-                    item = self._queue.get_nowait()
-                except queue.Empty:
-                    break
-            done = item is None
+            batch, done = self._next_batch()
             ends = [e for e in batch if e.type == "end"]
             if ends:
                 self._last_end = ends[-1]
             if batch:
                 self._each(partial(_write, events=batch), create=True)
         self._each(lambda exp: exp.close(self._last_end), create=False)
+
+    def _next_batch(self) -> tuple[list[Event], bool]:
+        """The events of the next ``BATCH_SECONDS`` (one MLflow call and one TensorBoard flush for many steps,
+        rather than one per step), and whether the export is closing."""
+        batch: list[Event] = []
+        item = self._queue.get()
+        deadline = time.monotonic() + BATCH_SECONDS
+        while item is not None:
+            batch.append(item)
+            left = deadline - time.monotonic()
+            if len(batch) >= BATCH_EVENTS or left <= 0:
+                return batch, False
+            try:
+                item = self._queue.get(timeout=left)
+            except queue.Empty:
+                return batch, False
+        return batch, True
 
     def _each(self, call: Callable[[Exporter], None], *, create: bool) -> None:
         for name, make in self._factories.items():
