@@ -157,7 +157,7 @@ def test_eval_events_become_a_series_and_unknown_types_are_skipped(tmp_path: Pat
     sink = export.tee(inner, spec, None)
     with caplog.at_level(logging.WARNING, logger="ballast.trackers"):
         for step in range(3):
-            sink.emit("metric", {"step": step, "loss": 2.0 - step / 10, "grad_norm": None})
+            sink.emit("metric", {"step": step, "loss": 2.0 - step / 10, "grad_norm": None, "loss_scale": 2.0 ** 16})
             sink.emit("a_future_event", {"step": step, "whatever": [1, 2]})
         sink.emit("eval", {"step": 2, "eval_loss": 1.25})
         export.close()
@@ -165,6 +165,7 @@ def test_eval_events_become_a_series_and_unknown_types_are_skipped(tmp_path: Pat
     ea = accumulator(tmp_path / "tensorboard" / "run-3" / "attempt-1")
     assert series(ea, "eval_loss") == [(2, 1.25)]
     assert [s for s, _ in series(ea, "loss")] == [0, 1, 2] and "grad_norm/pre_clip" not in ea.Tags()["scalars"]
+    assert series(ea, "loss_scale") == [(0, 65536.0), (1, 65536.0), (2, 65536.0)]
     assert caplog.records == []
 
 
