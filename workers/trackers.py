@@ -339,8 +339,12 @@ class TrackerExport:
         """The export the recipe asks for, on rank 0; None when it asks for none (or on other ranks)."""
         if not ctx.is_main or not spec.recipe.telemetry.export:
             return None
-        targets = spec.export or ExportTargets.from_env()
-        return cls(_factories(spec, targets, run_key(spec)))
+        try:
+            targets = spec.export or ExportTargets.from_env()
+            return cls(_factories(spec, targets, run_key(spec)))
+        except Exception as exc:  # noqa: BLE001 - no export is better than no training
+            log.warning("tracker export off for this worker group: %s: %s", type(exc).__name__, exc)
+            return None
 
     def tee(self, sink: EventSink | None, spec: AttemptSpec, resume: str | None) -> TeeSink:
         """The attempt's sink: events go to ``sink`` (if any) and to the trackers as attempt ``spec.attempt``,
