@@ -28,6 +28,7 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from contracts.export import ExportTargets
 from contracts.recipe import Recipe, recipe_to_dict, validate_recipe_data
 
 EVENT_TYPES = frozenset({"metric", "layer_stats", "anomaly", "checkpoint", "eval", "end"})
@@ -123,6 +124,8 @@ class AttemptSpec:
     run_id: int | None = None
     allowed_import_modules: list[str] = field(default_factory=list)
     """The operator's allow-list for custom ``module:function`` models and data (re-checked on the worker)."""
+    export: ExportTargets | None = None
+    """Where ``telemetry.export`` writes (the server's settings); None: the worker's own ``BALLAST_*`` env."""
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -134,6 +137,7 @@ class AttemptSpec:
             "data_offset": self.data_offset,
             "run_id": self.run_id,
             "allowed_import_modules": list(self.allowed_import_modules),
+            "export": None if self.export is None else self.export.to_dict(),
         }
 
     @classmethod
@@ -151,6 +155,7 @@ class AttemptSpec:
             data_offset=int(data.get("data_offset", 0)),
             run_id=data.get("run_id"),
             allowed_import_modules=allowed,
+            export=ExportTargets.from_dict(data["export"]) if data.get("export") else None,
         )
 
     def __post_init__(self) -> None:
