@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from contracts.checkpoint import CorruptCheckpoint, local_dir, read_manifest, verify_checkpoint
+from contracts.export import ExportTargets
 from contracts.overrides import apply_overrides
 from contracts.recipe import Recipe, RecipeError
 from contracts.wire import AttemptSpec, EndEvent, finite_or_none, one_line
@@ -159,6 +160,7 @@ class LocalRun:
         *,
         make_sink: Callable[[AttemptSpec, int], ListSink],
         allowed_import_modules: Sequence[str] = (),
+        export: ExportTargets | None = None,
         on_start: Callable[[LocalAttempt], None] | None = None,
         on_end: Callable[[LocalAttempt], None] | None = None,
     ) -> None:
@@ -167,6 +169,9 @@ class LocalRun:
         self.runner = runner
         self.make_sink = make_sink
         self.allowed = list(allowed_import_modules)
+        self.export = export if recipe.telemetry.export else None
+        """Where the tracker export writes (as the scheduler sends it), so a Ray worker writes where this process
+        says rather than where its own environment would."""
         self.on_start = on_start
         self.on_end = on_end
         self.checkpoints: list[CheckpointRecord] = []
@@ -209,7 +214,7 @@ class LocalRun:
             self.checkpoints.append(parent)
             start = manifest.step
         spec = AttemptSpec(recipe=self.recipe, checkpoint_dir=str(self.root / "attempt-1"), attempt=1,
-                           resume_from=resume, allowed_import_modules=self.allowed)
+                           resume_from=resume, allowed_import_modules=self.allowed, export=self.export)
         return LocalAttempt(number=1, kind="initial", spec=spec, start_step=start, resumed_from=parent)
 
     def _run(self, attempt: LocalAttempt) -> None:
@@ -287,6 +292,7 @@ class LocalRun:
             recipe=recipe, checkpoint_dir=str(self.root / f"attempt-{number}"), attempt=number,
             resume_from=plan.resume_from.uri if plan.resume_from is not None else None,
             rewarm_steps=plan.rewarm_steps, data_offset=plan.data_offset, allowed_import_modules=self.allowed,
+            export=self.export,
         )
         return LocalAttempt(number=number, kind=plan.kind, spec=spec, start_step=plan.resume_step,
                             resumed_from=plan.resume_from, overrides=overrides, reason=plan.reason)

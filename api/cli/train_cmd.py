@@ -248,6 +248,7 @@ def train(
             loop = LocalRun(
                 recipe, root, runner, make_sink=make_sink,
                 allowed_import_modules=get_settings().allowed_import_modules,
+                export=get_settings().export_targets(),
                 on_start=lambda a: said(attempt_started(a)) if a.number > 1 else None,
                 on_end=lambda a: said(attempt_ended(a)),
             )
