@@ -299,6 +299,15 @@ class MetricEvent(BaseModel):
     skipped: bool
 
 
+class EvalEvent(BaseModel):
+    """A held-out loss (SSE ``event: eval``): every one is sent (they are sparse). ``step`` counts completed steps,
+    like a checkpoint's."""
+
+    attempt: int
+    step: int
+    eval_loss: Number | None
+
+
 # --------------------------------------------------------------------------------------------------- tokens
 Scope = Literal["read", "submit", "admin"]
 

@@ -1,11 +1,13 @@
 """``/runs/{run_id}/events``: a live Server-Sent Events stream of a run.
 
 The stream polls the store (every ~0.5 s) and sends, in this order per poll: ``state`` (new rows of the audit
-log: run and attempt transitions with their reasons), ``anomaly`` (new anomalies) and ``metric`` (the newest
-per-step metrics only: a watcher wants the current loss, not every step). It opens with a ``run`` snapshot
-and ends with an ``end`` snapshot once the run is finished. Each message's ``id`` is the stream position
-``<event id>.<anomaly id>.<metric id>``; a reconnecting client sends it back as ``Last-Event-ID`` and
-continues where it stopped. The framing (``text/event-stream``, no-cache headers, a ``: ping`` comment after 15 s
+log: run and attempt transitions with their reasons), ``anomaly`` (new anomalies), ``eval`` (each new held-out
+loss: they are sparse, one per ``training.eval_interval`` steps) and ``metric`` (the newest per-step metrics only:
+a watcher wants the current loss, not every step). It opens with a ``run`` snapshot and ends with an ``end``
+snapshot once the run is finished. Each message's ``id`` is the stream position
+``<event id>.<anomaly id>.<metric id>.<eval id>``; a reconnecting client sends it back as ``Last-Event-ID`` and
+continues where it stopped (a three-part id from before eval points existed resumes with the evals from the
+start). The framing (``text/event-stream``, no-cache headers, a ``: ping`` comment after 15 s
 without a message) is FastAPI's ``EventSourceResponse``; this module only decides what to send.
 """
 
@@ -25,11 +27,11 @@ from starlette.concurrency import run_in_threadpool
 
 from api.auth import ReadableRun
 from api.errors import problem_responses
-from api.schemas import StateEvent
+from api.schemas import EvalEvent, StateEvent
 from api.serialize import anomaly_read, metric_event, run_read
 from orchestrator.policy.states import TERMINAL_RUN_STATES, RunState
 from orchestrator.store import repo
-from orchestrator.store.models import AnomalyRow, Attempt, Event, MetricPoint, Run
+from orchestrator.store.models import AnomalyRow, Attempt, EvalPoint, Event, MetricPoint, Run
 
 router = APIRouter(tags=["events"])
 
@@ -43,17 +45,19 @@ class _Position:
     event: int = 0
     anomaly: int = 0
     metric: int = 0
+    eval: int = 0
 
     @classmethod
     def parse(cls, raw: str | None) -> _Position:
-        """``a.b.c`` → position; anything else starts from the beginning (a stale or foreign id is harmless)."""
+        """``a.b.c.d`` (or ``a.b.c``) → position; anything else starts from the beginning (a stale or foreign id is
+        harmless)."""
         parts = (raw or "").strip().split(".")
-        if len(parts) != 3 or not all(p.isdigit() and len(p) <= 18 for p in parts):
+        if len(parts) not in (3, 4) or not all(p.isdigit() and len(p) <= 18 for p in parts):
             return cls()
         return cls(*(int(p) for p in parts))
 
     def __str__(self) -> str:
-        return f"{self.event}.{self.anomaly}.{self.metric}"
+        return f"{self.event}.{self.anomaly}.{self.metric}.{self.eval}"
 
 
 @dataclass
@@ -101,6 +105,17 @@ def _poll(factory: sessionmaker[Session], run_id: int, pos: _Position, first: bo
         for an, number in anomalies:
             pos.anomaly = an.id
             out.messages.append(_message("anomaly", pos, anomaly_read(an, number)))
+        evals = session.execute(
+            sa.select(EvalPoint, Attempt.number)
+            .join(Attempt, Attempt.id == EvalPoint.attempt_id)
+            .where(EvalPoint.run_id == run_id, EvalPoint.id > pos.eval)
+            .order_by(EvalPoint.id)
+            .limit(BATCH)
+        ).all()
+        for point, number in evals:
+            pos.eval = point.id
+            out.messages.append(_message("eval", pos, EvalEvent(attempt=number, step=point.step,
+                                                               eval_loss=point.eval_loss)))
         latest = session.execute(
             sa.select(MetricPoint, Attempt.number)
             .join(Attempt, Attempt.id == MetricPoint.attempt_id)
@@ -112,7 +127,7 @@ def _poll(factory: sessionmaker[Session], run_id: int, pos: _Position, first: bo
             mp, number = latest
             pos.metric = mp.id
             out.messages.append(_message("metric", pos, metric_event(mp, number)))
-        out.more = len(events) == BATCH or len(anomalies) == BATCH
+        out.more = len(events) == BATCH or len(anomalies) == BATCH or len(evals) == BATCH
         if finished and not out.more:
             out.finished = True
             out.messages.append(_message("end", pos, _snapshot(session, run)))
@@ -126,8 +141,8 @@ def _poll(factory: sessionmaker[Session], run_id: int, pos: _Position, first: bo
     response_class=EventSourceResponse,
     responses={
         200: {
-            "description": "`text/event-stream` with events `run`, `state`, `anomaly`, `metric`, `end`; each "
-            "`data` is JSON (RunRead, StateEvent, AnomalyRead, MetricEvent, RunRead).",
+            "description": "`text/event-stream` with events `run`, `state`, `anomaly`, `eval`, `metric`, `end`; "
+            "each `data` is JSON (RunRead, StateEvent, AnomalyRead, EvalEvent, MetricEvent, RunRead).",
             "content": {"text/event-stream": {"schema": {"type": "string"}}},
         },
         **problem_responses(401, 403, 404, 422),

@@ -13,7 +13,7 @@ from sqlalchemy.orm import Session, sessionmaker
 import api.routes.events as events_module
 from orchestrator.policy.states import AttemptState, RunState
 from orchestrator.store import repo
-from orchestrator.store.models import AnomalyRow, Attempt, MetricPoint, Run
+from orchestrator.store.models import AnomalyRow, Attempt, EvalPoint, MetricPoint, Run
 from tests.api.conftest import post_yaml
 
 RUNS = "/api/v1/runs"
@@ -64,6 +64,8 @@ def test_stream_of_a_finished_run_replays_everything_and_ends(
                          value=9.0, threshold=4.0, action="record"))
         for step in range(3):
             s.add(MetricPoint(run_id=run_id, attempt_id=att, step=step, loss=2.0 - step, grad_norm=1.0, lr=0.003))
+        s.add_all([EvalPoint(run_id=run_id, attempt_id=att, step=0, eval_loss=2.5),
+                   EvalPoint(run_id=run_id, attempt_id=att, step=2, eval_loss=None)])
         s.commit()
     _advance(session_factory, run_id, RunState.succeeded)
     r = client.get(f"{RUNS}/{run_id}/events")
@@ -71,13 +73,21 @@ def test_stream_of_a_finished_run_replays_everything_and_ends(
     assert r.headers["content-type"].startswith("text/event-stream")
     msgs = parse_sse(r.text)
     kinds = [m["event"] for m in msgs]
-    assert kinds == ["run", "state", "state", "state", "state", "state", "anomaly", "metric", "end"]
+    assert kinds == ["run", "state", "state", "state", "state", "state", "anomaly", "eval", "eval", "metric", "end"]
     states = [(m["data"]["entity"], m["data"]["from_state"], m["data"]["to_state"])
               for m in msgs if m["event"] == "state"]
     assert states == [("run", None, "queued"), ("run", "queued", "starting"), ("run", "starting", "running"),
                       ("attempt", "pending", "running"), ("run", "running", "succeeded")]
     assert msgs[6]["data"]["kind"] == "loss_spike" and msgs[6]["data"]["attempt"] == 1
-    assert msgs[7]["data"]["step"] == 2 and msgs[7]["data"]["loss"] == 0.0  # only the newest metric
+    # every eval point (sparse), the non-finite one as null
+    assert [(m["data"]["step"], m["data"]["eval_loss"]) for m in msgs[7:9]] == [(0, 2.5), (2, None)]
+    assert msgs[9]["data"]["step"] == 2 and msgs[9]["data"]["loss"] == 0.0  # only the newest metric
+    # a reconnect after the first eval gets the second only; a 3-part id (before evals existed) replays them
+    after_first = parse_sse(client.get(f"{RUNS}/{run_id}/events", headers={"Last-Event-ID": msgs[7]["id"]}).text)
+    assert [m["data"]["step"] for m in after_first if m["event"] == "eval"] == [2]
+    old_id = ".".join(msgs[6]["id"].split(".")[:3])
+    legacy = parse_sse(client.get(f"{RUNS}/{run_id}/events", headers={"Last-Event-ID": old_id}).text)
+    assert [m["event"] for m in legacy] == ["run", "eval", "eval", "metric", "end"]
     assert msgs[-1]["data"]["state"] == "succeeded"
     assert msgs[-1]["data"]["summary"]["anomalies_by_kind"] == {"loss_spike": 1}
     # ids are positions: they never go backwards
