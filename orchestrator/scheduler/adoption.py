@@ -17,6 +17,8 @@ from orchestrator.scheduler.context import Context, Execution, cpu_demand, relea
 from orchestrator.scheduler.failures import Failure
 from orchestrator.scheduler.launching import launch
 from orchestrator.scheduler.outcomes import RECOVERABLE, FollowUp, conclude, follow_up, summary
+from orchestrator.scheduler.retention import remove_checkpoint_dirs, retire_checkpoints
+from orchestrator.scheduler.storage import reconcile_storage
 from orchestrator.store.db import transaction
 from orchestrator.store.models import Attempt, Run, utcnow
 from orchestrator.store.transitions import apply_transitions
@@ -49,6 +51,7 @@ def reconcile(ctx: Context) -> None:
 def adopt(ctx: Context, run_id: int, seen_owner: str | None) -> None:
     launch_next: int | None = None
     attached: Execution | None = None
+    doomed: list[str] = []
     with transaction(ctx.sf) as s:
         owner_cond = Run.claimed_by.is_(None) if seen_owner is None else Run.claimed_by == seen_owner
         if not lock_run(ctx, s, run_id, Run.state.in_([st.value for st in ACTIVE_RUN_STATES]), owner_cond):
@@ -64,9 +67,10 @@ def adopt(ctx: Context, run_id: int, seen_owner: str | None) -> None:
             release_if_done(run)
         elif latest.state in TERMINAL_ATTEMPT_STATES:
             # the previous scheduler died between ending an attempt and recording the next one
-            launch_next = _after_an_end(ctx, s, run, latest)
+            launch_next = _after_an_end(ctx, s, run, latest, doomed)
         else:
-            attached, launch_next = _unended(ctx, s, run, latest)
+            attached, launch_next = _unended(ctx, s, run, latest, doomed)
+    remove_checkpoint_dirs(doomed, ctx.settings.checkpoint_root)
     if attached is not None:
         ctx.executions[run_id] = attached
         log.info("run %s: reattached to %s", run_id, attached.name)
@@ -74,10 +78,11 @@ def adopt(ctx: Context, run_id: int, seen_owner: str | None) -> None:
         launch(ctx, run_id, launch_next)
 
 
-def _after_an_end(ctx: Context, s: Session, run: Run, latest: Attempt) -> int | None:
+def _after_an_end(ctx: Context, s: Session, run: Run, latest: Attempt, doomed: list[str]) -> int | None:
     outcome = AttemptState(latest.state)
     starting = run.state == RunState.starting.value
     follow = FollowUp()
+    doomed += reconcile_storage(ctx, s, run)
     if outcome in RECOVERABLE and not starting:
         follow = follow_up(ctx, s, run, latest)
     # a starting run with a finished attempt cannot happen through this scheduler: it fails visibly
@@ -88,12 +93,16 @@ def _after_an_end(ctx: Context, s: Session, run: Run, latest: Attempt) -> int | 
                       notes={Why.EVENT: Note(said), **follow.notes})
     if follow.decision is not Decision.GIVE_UP:  # as before: a run given up here keeps its claim (lease lapses)
         release_if_done(run)
+    doomed += retire_checkpoints(ctx, s, run)
     return follow.attempt.number if after.launch and follow.attempt is not None else None
 
 
-def _unended(ctx: Context, s: Session, run: Run, latest: Attempt) -> tuple[Execution | None, int | None]:
+def _unended(ctx: Context, s: Session, run: Run, latest: Attempt,
+             doomed: list[str]) -> tuple[Execution | None, int | None]:
     """Reattach to the newest attempt's worker group if it still runs; else start it (it never started), or
-    record it cancelled (on request) or crashed (its Ray work is gone). ``(execution, attempt to launch)``."""
+    record it cancelled (on request) or crashed (its Ray work is gone): then the checkpoints it wrote that the
+    store missed are recorded first, so the policy resumes from the newest one on storage, and retention runs
+    after the decision. ``(execution, attempt to launch)``."""
     name = (latest.ray_info or {}).get("channel")
     handle = ctx.launcher.attach(str(name)) if name else None
     if handle is not None:
@@ -105,7 +114,11 @@ def _unended(ctx: Context, s: Session, run: Run, latest: Attempt) -> tuple[Execu
         apply_transitions(session=s, resolution=unstarted, run=run,
                           notes={Why.EVENT: Note("restarting the worker group")})
         return None, latest.number
+    doomed += reconcile_storage(ctx, s, run)
     if run.cancel_requested:
         conclude(ctx, s, run, latest, AttemptState.cancelled)
-        return None, None
-    return None, conclude(ctx, s, run, latest, AttemptState.crashed, Failure(LOST)).to_launch
+        launch_next = None
+    else:
+        launch_next = conclude(ctx, s, run, latest, AttemptState.crashed, Failure(LOST)).to_launch
+    doomed += retire_checkpoints(ctx, s, run)
+    return None, launch_next

@@ -29,6 +29,7 @@ from orchestrator.scheduler.launcher import ChannelLost
 from orchestrator.scheduler.launching import launch
 from orchestrator.scheduler.outcomes import conclude, worker_group_ended, workers_started
 from orchestrator.scheduler.retention import remove_checkpoint_dirs, retire_checkpoints
+from orchestrator.scheduler.storage import reconcile_storage
 from orchestrator.store.db import transaction
 from orchestrator.store.ingest import ingest_events
 from orchestrator.store.models import Attempt, Run
@@ -117,7 +118,10 @@ def _act_on_fit(ctx: Context, s: Session, run: Run, ex: Execution, current: Atte
         elif ex.stop_sent_at is None:
             fx.send_stop = True
     elif state in ("done", "failed"):
+        # the group is over: what it wrote that never reached the store is recorded before the policy decides
+        fx.doomed += reconcile_storage(ctx, s, run)
         fx.launch = worker_group_ended(ctx, s, run, current, fit).to_launch
+        fx.doomed += retire_checkpoints(ctx, s, run)
         fx.kill = True
 
 
@@ -132,7 +136,7 @@ def _execute(ctx: Context, ex: Execution, fx: Effects, lost: str | None) -> None
         ex.stop_sent_at = time.monotonic()
     if fx.kill and lost is None:
         ctx.launcher.kill(ex.handle)
-    remove_checkpoint_dirs(fx.doomed, ctx.settings.checkpoint_root)
+    remove_checkpoint_dirs(sorted(set(fx.doomed)), ctx.settings.checkpoint_root)
     if fx.launch is not None:
         launch(ctx, ex.run_id, fx.launch)
 
