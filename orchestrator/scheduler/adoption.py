@@ -1,7 +1,10 @@
 """Adopting active runs that nobody drives (a lapsed lease, or an owner on this host that has died): reattach to
 their channel actor when their Ray work still runs (a detached actor outlives the scheduler that started it), else
 finish what the dead scheduler left half done: start a never-started attempt, record a lost worker group as a
-crash and resume per policy, or act on an attempt that had ended before the next step was recorded."""
+crash and resume per policy, or act on an attempt that had ended before the next step was recorded. Whenever the
+Ray work is gone, checkpoint storage is reconciled with the store first (``storage``): the checkpoints written
+after the last drain are resumed from, not recomputed, and nothing is left on storage that retention would not
+keep."""
 
 from __future__ import annotations
 
@@ -16,11 +19,11 @@ from orchestrator.scheduler.claims import lock_run, owner_is_dead_here
 from orchestrator.scheduler.context import Context, Execution, cpu_demand, release_if_done
 from orchestrator.scheduler.failures import Failure
 from orchestrator.scheduler.launching import launch
-from orchestrator.scheduler.outcomes import RECOVERABLE, FollowUp, conclude, follow_up, summary
+from orchestrator.scheduler.outcomes import RECOVERABLE, FollowUp, conclude, follow_up, summary, workers_started
 from orchestrator.scheduler.retention import remove_checkpoint_dirs, retire_checkpoints
 from orchestrator.scheduler.storage import reconcile_storage
 from orchestrator.store.db import transaction
-from orchestrator.store.models import Attempt, Run, utcnow
+from orchestrator.store.models import Attempt, CheckpointRow, Run, utcnow
 from orchestrator.store.transitions import apply_transitions
 
 log = logging.getLogger("ballast.scheduler")
@@ -99,22 +102,27 @@ def _after_an_end(ctx: Context, s: Session, run: Run, latest: Attempt, doomed: l
 
 def _unended(ctx: Context, s: Session, run: Run, latest: Attempt,
              doomed: list[str]) -> tuple[Execution | None, int | None]:
-    """Reattach to the newest attempt's worker group if it still runs; else start it (it never started), or
-    record it cancelled (on request) or crashed (its Ray work is gone): then the checkpoints it wrote that the
-    store missed are recorded first, so the policy resumes from the newest one on storage, and retention runs
-    after the decision. ``(execution, attempt to launch)``."""
+    """Reattach to the newest attempt's worker group if it still runs. Else its Ray work is gone: the checkpoints
+    the store missed are recorded from storage first (so the policy resumes from the newest one there), then the
+    attempt is started (it never ran: no checkpoint of it anywhere), or recorded cancelled (on request) or crashed;
+    retention runs after the decision. ``(execution, attempt to launch)``."""
     name = (latest.ray_info or {}).get("channel")
     handle = ctx.launcher.attach(str(name)) if name else None
     if handle is not None:
         return Execution(run_id=run.id, name=str(name), handle=handle, attempt=latest.number,
                          demand_cpus=cpu_demand(ctx.recipe(run)),
                          started=latest.state == AttemptState.running.value), None
-    if latest.state == AttemptState.pending.value:
+    doomed += reconcile_storage(ctx, s, run)
+    ran = s.scalar(sa.select(sa.func.count()).select_from(CheckpointRow)
+                   .where(CheckpointRow.attempt_id == latest.id)) or 0
+    if latest.state == AttemptState.pending.value and not ran:
         unstarted = resolve(Situation(Happening.ADOPTED_UNSTARTED, run=RunState(run.state)))
         apply_transitions(session=s, resolution=unstarted, run=run,
                           notes={Why.EVENT: Note("restarting the worker group")})
         return None, latest.number
-    doomed += reconcile_storage(ctx, s, run)
+    if latest.state == AttemptState.pending.value:  # it ran, but none of its events reached the store
+        workers_started(s, run, latest, current=True,
+                        note=Note(f"attempt {latest.number} had run: its checkpoints are on storage"))
     if run.cancel_requested:
         conclude(ctx, s, run, latest, AttemptState.cancelled)
         launch_next = None

@@ -134,3 +134,19 @@ def test_directories_of_deleted_rows_are_removed_and_foreign_ones_left_alone(
     assert (group_dir(tmp_path, run_id) / "step_00000007").exists()
     assert set(rows(session_factory, run_id)) == {5, 10}
     assert attempts(session_factory, run_id)[1].resume_step == 10
+
+
+def test_an_attempt_whose_events_never_reached_the_store_but_whose_checkpoints_did_is_resumed_not_restarted(
+    session_factory: sessionmaker[Session], make_scheduler: Any, launcher: FakeLauncher, tmp_path: Path
+) -> None:
+    run_id = submit(session_factory)
+    make_scheduler("sched-a").tick()  # launched; the first drain never came
+    for step in (10, 20):
+        write(tmp_path, run_id, step)
+    launcher.of_run(run_id)[0].killed = True
+    orphan(session_factory, run_id)
+    make_scheduler("sched-b").tick()
+    ran, resumed = attempts(session_factory, run_id)
+    assert ran.state == "crashed" and ran.started_at is not None
+    assert (resumed.kind, resumed.resume_step) == ("crash_restart", 20)
+    assert set(rows(session_factory, run_id)) == {10, 20}
