@@ -30,6 +30,9 @@ class Execution:
     demand_cpus: float
     started: bool = False
     stop_sent_at: float | None = None
+    progress_at: float | None = None
+    """When (monotonic) this scheduler last drained events of the current attempt: the step-progress deadline
+    counts from it (None: no event yet, the group is starting up)."""
 
 
 @dataclass
