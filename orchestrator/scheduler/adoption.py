@@ -19,6 +19,7 @@ from orchestrator.scheduler.claims import lock_run, owner_is_dead_here
 from orchestrator.scheduler.context import Context, Execution, cpu_demand, release_if_done
 from orchestrator.scheduler.failures import Failure
 from orchestrator.scheduler.launching import launch
+from orchestrator.scheduler.outage import is_outage
 from orchestrator.scheduler.outcomes import RECOVERABLE, FollowUp, conclude, follow_up, summary, workers_started
 from orchestrator.scheduler.retention import remove_checkpoint_dirs, retire_checkpoints
 from orchestrator.scheduler.storage import reconcile_storage
@@ -47,7 +48,9 @@ def reconcile(ctx: Context) -> None:
             continue
         try:
             adopt(ctx, run_id, claimed_by)
-        except Exception:  # noqa: BLE001 - try the others; this one is retried next round
+        except Exception as exc:  # noqa: BLE001 - try the others; this one is retried next round
+            if is_outage(exc):
+                raise  # the whole tick failed: logged once, by the loop
             log.exception("adopting run %s failed", run_id)
 
 
