@@ -58,6 +58,11 @@ class Settings(BaseSettings):
         description="Module prefixes a recipe may name in `module:function` import strings (empty: none). "
         "Comma-separated (`mylab,team.models`) or a JSON list.",
     )
+    cluster_autoscales: bool = Field(
+        default=False,
+        description="A run that needs more CPUs/GPUs than the whole Ray cluster has: `false` fails it at once with "
+        "the reason; `true` (an autoscaler can add nodes) leaves it queued with the reason.",
+    )
     metrics_every_steps: int = Field(
         default=1, ge=1, description="Downsampling of per-step metrics written to the store (1 = every step)."
     )

@@ -70,6 +70,22 @@ def cpu_demand(recipe: Recipe) -> float:
     return recipe.resources.num_workers * recipe.resources.cpus_per_worker
 
 
+def cannot_fit(recipe: Recipe, capacity: dict[str, float] | None) -> str | None:
+    """Why the run can never be placed on a cluster of ``capacity`` (None: it fits, or the capacity is unknown),
+    e.g. "needs 4096 CPUs; the cluster has 2"."""
+    if capacity is None:
+        return None
+    res = recipe.resources
+    needs = {"CPU": cpu_demand(recipe), "GPU": res.num_workers * res.gpus_per_worker if res.use_gpu else 0.0}
+    per_worker = {"CPU": res.cpus_per_worker, "GPU": res.gpus_per_worker}
+    for kind, needed in needs.items():
+        has = capacity.get(kind, 0.0)
+        if needed > has + 1e-9:
+            return (f"needs {needed:g} {kind}s; the cluster has {has:g} (resources.num_workers {res.num_workers} "
+                    f"x {kind.lower()}s_per_worker {per_worker[kind]:g})")
+    return None
+
+
 def clear_claim(run: Run) -> None:
     run.claimed_by = None
     run.lease_expires_at = None
