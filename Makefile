@@ -43,7 +43,7 @@ test-fast: setup
 lint: setup
 	@status=0; \
 	$(BIN)/ruff check . || status=1; \
-	$(BIN)/mypy api contracts orchestrator workers migrations || status=1; \
+	$(BIN)/mypy api ballast contracts orchestrator workers migrations || status=1; \
 	exit $$status
 
 demo: setup

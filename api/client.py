@@ -1,23 +1,41 @@
-"""A small typed client for the Ballast REST API (``/api/v1``), used by the ``ballast`` CLI.
+"""The Ballast client: one typed client for the REST API (``/api/v1``), public as ``ballast.Client`` and used by
+the ``ballast`` CLI.
 
-It speaks plain JSON dicts (the server's response models are the contract) and turns every failure into one of
-two exceptions with a message a person can act on: ``ApiError`` (the server answered with a problem+json
-document; ``lines()`` renders it one line per field error) and ``Unreachable`` (nothing answered at the URL).
+It speaks plain JSON dicts (the server's response models, ``api/schemas.py``, are the contract: ``RunRead`` /
+``RunDetail``, ``AttemptRead``, ``CheckpointRead``, ...) and turns every failure into one of three exceptions with
+a message a person can act on: ``ApiError`` (the server answered with a problem+json document; ``lines()``
+renders it one line per field error), ``Unreachable`` (nothing answered at the URL) and ``WaitTimeout``
+(``wait`` gave up before the run ended). ``export`` reads a checkpoint's files and so needs torch (imported only
+when it is called)::
+
+    from ballast import Client
+
+    with Client("http://127.0.0.1:8420") as client:
+        run = client.submit(Path("recipes/unstable-grad-spike.yaml"))
+        run = client.wait(run["id"], timeout=600)
+        client.export(run["id"], "out/", format="safetensors")
 """
 
 from __future__ import annotations
 
+import json
 import os
 import time
 import uuid
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from pathlib import Path
+from typing import Any, Literal
 
 import httpx
 
 DEFAULT_URL = "http://127.0.0.1:8420"
 API_PREFIX = "/api/v1"
+TERMINAL_STATES = frozenset({"succeeded", "failed", "cancelled"})
+"""Run states after which nothing changes (``orchestrator.policy.states.TERMINAL_RUN_STATES``)."""
+ExportFormat = Literal["state_dict", "safetensors", "hf"]
+RecipeSource = str | bytes | Path | Mapping[str, Any]
+"""A recipe as ``submit`` takes it: YAML text (str or bytes), a file (``Path``) or a document (a mapping)."""
 
 # Transient failures after the request may have reached the server: safe to resend only when the request is
 # idempotent (a GET, or a POST /runs carrying an Idempotency-Key).
@@ -90,6 +108,14 @@ def _problem_of(resp: httpx.Response) -> dict[str, Any]:
     return {"detail": str(body)[:500]}
 
 
+class WaitTimeout(ClientError, TimeoutError):
+    """``wait`` ran out of time; ``run`` is the run as last seen (still active)."""
+
+    def __init__(self, run: Mapping[str, Any], timeout: float) -> None:
+        self.run = dict(run)
+        super().__init__(f"run {run.get('id')} is still {run.get('state')} after {timeout:g}s")
+
+
 @dataclass(frozen=True)
 class Submitted:
     """A submitted run; ``created`` is False when the Idempotency-Key matched an earlier submission."""
@@ -98,8 +124,13 @@ class Submitted:
     created: bool
 
 
-class BallastClient:
-    """Typed wrapper over the REST endpoints. ``base_url`` is the server root (``/api/v1`` is appended)."""
+class Client:
+    """The REST endpoints as methods. ``base_url`` is the server root (``/api/v1`` is appended; default
+    ``BALLAST_URL`` or ``http://127.0.0.1:8420``); ``token`` a bearer token (default ``BALLAST_TOKEN``).
+
+    GETs (and a submit, which always carries an ``Idempotency-Key``) are resent after a transient failure
+    (``retries`` times). Use it as a context manager, or call ``close()``.
+    """
 
     def __init__(
         self,
@@ -125,7 +156,7 @@ class BallastClient:
     def close(self) -> None:
         self._http.close()
 
-    def __enter__(self) -> BallastClient:
+    def __enter__(self) -> Client:
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -193,6 +224,34 @@ class BallastClient:
         )
         return Submitted(run=resp.json(), created=resp.status_code == 201)
 
+    def submit(self, recipe: RecipeSource, *, idempotency_key: str | None = None) -> dict[str, Any]:
+        """Queue a run → the run (``RunRead``). ``recipe``: YAML text, a ``Path`` to a YAML file, or a document
+        (a mapping, sent as JSON). An ``ApiError`` with one field error per problem if it is invalid."""
+        key = idempotency_key or f"sdk-{uuid.uuid4()}"
+        if isinstance(recipe, Mapping):
+            content, media = json.dumps(dict(recipe)).encode(), "application/json"
+        elif isinstance(recipe, Path):
+            content, media = recipe.read_bytes(), "application/yaml"
+        else:
+            content, media = _bytes(recipe), "application/yaml"
+        resp = self._request("POST", API_PREFIX + "/runs", content=content,
+                             headers={"Content-Type": media, "Idempotency-Key": key}, idempotent=True)
+        data: dict[str, Any] = resp.json()
+        return data
+
+    def wait(self, run_id: str | int, *, timeout: float | None = None, poll: float = 1.0) -> dict[str, Any]:
+        """Poll until the run is succeeded, failed or cancelled → the run (``RunDetail``); ``WaitTimeout`` when
+        ``timeout`` seconds pass first (None: wait as long as it takes)."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            run = self.get_run(run_id)
+            if run.get("state") in TERMINAL_STATES:
+                return run
+            if deadline is not None and time.monotonic() >= deadline:
+                raise WaitTimeout(run, float(timeout or 0))
+            pause = poll if deadline is None else max(0.0, min(poll, deadline - time.monotonic()))
+            time.sleep(pause)
+
     def list_runs(
         self,
         *,
@@ -207,25 +266,69 @@ class BallastClient:
         )
         return data
 
+    def runs(
+        self, *, state: str | list[str] | None = None, name: str | None = None, owner: str | None = None,
+        limit: int | None = None,
+    ) -> list[dict[str, Any]]:
+        """Every run matching the filters, newest first, following the cursor (at most ``limit`` runs)."""
+        out: list[dict[str, Any]] = []
+        cursor: str | None = None
+        while limit is None or len(out) < limit:
+            page = self.list_runs(state=state, name=name, owner=owner, cursor=cursor,
+                                  limit=None if limit is None else min(100, limit - len(out)))
+            out.extend(_items(page))
+            cursor = page.get("next")
+            if not cursor:
+                break
+        return out
+
     def get_run(self, run_id: str | int) -> dict[str, Any]:
+        """One run with its current attempt, summary and normalised recipe (``RunDetail``)."""
         data: dict[str, Any] = self._json("GET", f"/runs/{_seg(run_id)}")
         return data
 
+    get = get_run
+
     def cancel_run(self, run_id: str | int) -> dict[str, Any]:
+        """Ask the scheduler to stop the run (its Ray work stops within seconds) → the run."""
         data: dict[str, Any] = self._json("POST", f"/runs/{_seg(run_id)}/cancel")
         return data
 
+    cancel = cancel_run
+
     def retry_run(self, run_id: str | int, *, overrides: Mapping[str, Any] | None = None) -> dict[str, Any]:
+        """A manual retry of an ended run from its best healthy checkpoint, with optional overrides
+        (``{"optimizer.lr": 1e-4}``) → the run."""
         data: dict[str, Any] = self._json(
             "POST", f"/runs/{_seg(run_id)}/retry", json={"overrides": dict(overrides or {})}
         )
         return data
 
+    retry = retry_run
+
     def attempts(self, run_id: str | int) -> list[dict[str, Any]]:
+        """The run's attempts, oldest first (``AttemptRead``: kind, overrides, plan, reason, outcome)."""
         return _items(self._json("GET", f"/runs/{_seg(run_id)}/attempts"))
 
     def checkpoints(self, run_id: str | int) -> list[dict[str, Any]]:
+        """The run's checkpoints (``CheckpointRead``: attempt, step, uri, sha256, healthy, verdict, deleted)."""
         return _items(self._json("GET", f"/runs/{_seg(run_id)}/checkpoints"))
+
+    def export(
+        self, run_id: str | int, dest: str | Path, *, format: ExportFormat = "state_dict",
+        checkpoint: int | None = None, step: int | None = None, allowed_import_modules: list[str] | None = None,
+    ) -> dict[str, Any]:
+        """Write the model's weights from one of the run's checkpoints into ``dest`` → what ``export.json`` says.
+
+        Default checkpoint: the run's latest healthy one (else ``checkpoint`` id or ``step``). ``format``:
+        ``state_dict`` (``model.pt``), ``safetensors`` (``model.safetensors``) or ``hf`` (``save_pretrained``;
+        Hugging Face models only). The checkpoint is verified first, and the weights must load with
+        ``strict=True`` into the recipe's model, rebuilt here (a custom model's module must be in
+        ``allowed_import_modules``, default ``BALLAST_ALLOWED_IMPORT_MODULES``). Needs torch (``ballast.export``)."""
+        from ballast.export import export_run
+
+        return export_run(self, run_id, Path(dest), format=format, checkpoint_id=checkpoint, step=step,
+                          allowed_import_modules=allowed_import_modules)
 
     def anomalies(
         self,
@@ -238,6 +341,8 @@ class BallastClient:
         limit: int | None = None,
         cursor: str | None = None,
     ) -> dict[str, Any]:
+        """One page of the run's anomalies, in detection order: ``{"data": [...], "next": cursor}``
+        (``all_anomalies`` follows the cursor)."""
         data: dict[str, Any] = self._json(
             "GET",
             f"/runs/{_seg(run_id)}/anomalies",
@@ -269,6 +374,8 @@ class BallastClient:
         step_max: int | None = None,
         attempt: int | None = None,
     ) -> dict[str, Any]:
+        """Metric series (loss, grad_norm, lr, ...), each downsampled to ``max_points`` with every bucket's min
+        and max kept: ``{"series": [{"name", "steps", "values", "attempts"}, ...]}``."""
         data: dict[str, Any] = self._json(
             "GET",
             f"/runs/{_seg(run_id)}/metrics",
@@ -284,6 +391,10 @@ class BallastClient:
         resp = self._request("GET", "/healthz")
         data: dict[str, Any] = resp.json()
         return data
+
+
+BallastClient = Client
+"""The client's former name (the CLI's modules and older scripts)."""
 
 
 def _bytes(text: bytes | str) -> bytes:

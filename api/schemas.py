@@ -123,7 +123,10 @@ class RunSummary(BaseModel):
 
     best_loss: Number | None = Field(default=None, description="Lowest loss seen so far.")
     last_step: int | None = Field(default=None, description="Newest step reported (0-based).")
-    max_steps: int | None = Field(default=None, description="training.max_steps of the recipe.")
+    max_steps: int | None = Field(
+        default=None,
+        description="training.max_steps the current attempt trains to (the recipe's, or a retry's override).",
+    )
     retries_used: int = Field(description="Numeric-divergence retries used.")
     crash_restarts_used: int = Field(description="Crash restarts used.")
     anomalies_by_kind: dict[str, int] = Field(description="Anomaly counts by kind, across attempts.")

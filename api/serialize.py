@@ -23,23 +23,41 @@ _CHECKPOINT_COLUMNS = (
 )
 
 
-def run_read(run: Run, anomalies: dict[str, int]) -> RunRead:
-    """ORM run (with its recipe row) and its anomaly counts by kind → RunRead."""
+def run_read(run: Run, anomalies: dict[str, int], overrides: Mapping[str, Any] | None = None) -> RunRead:
+    """ORM run (with its recipe row), its anomaly counts by kind and its current attempt's overrides → RunRead."""
     values = {k: getattr(run, k) for k in (*_RUN_KEYS, *_SUMMARY_KEYS)}
-    return RunRead.model_validate(run_fields(values, run.recipe.content_hash, run.recipe.parsed, anomalies))
+    return RunRead.model_validate(run_fields(values, run.recipe.content_hash, run.recipe.parsed, anomalies, overrides))
+
+
+def effective(recipe: Mapping[str, Any], overrides: Mapping[str, Any] | None, path: str) -> Any:
+    """A recipe field as the current attempt runs it: its override's new value (``{path: [old, new]}``) if it has
+    one, else the recipe's."""
+    diff = (overrides or {}).get(path)
+    if isinstance(diff, list | tuple) and len(diff) == 2:
+        return diff[1]
+    node: Any = recipe
+    for part in path.split("."):
+        node = node.get(part) if isinstance(node, Mapping) else None
+    return node
 
 
 def run_fields(
-    run: Mapping[str, Any], content_hash: str, recipe: Mapping[str, Any], anomalies: dict[str, int]
+    run: Mapping[str, Any],
+    content_hash: str,
+    recipe: Mapping[str, Any],
+    anomalies: dict[str, int],
+    overrides: Mapping[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """The fields of RunRead from a run's column values, its recipe's hash and normalised JSON, and its counts."""
-    max_steps = recipe.get("training", {}).get("max_steps")
+    """The fields of RunRead from a run's column values, its recipe's hash and normalised JSON, its counts and its
+    current attempt's overrides (``max_steps`` is what that attempt trains to, e.g. after a retry with
+    ``--set training.max_steps=60``)."""
+    max_steps = effective(recipe, overrides, "training.max_steps")
     fields = {k: run[k] for k in _RUN_KEYS}
     fields["content_hash"] = content_hash
     fields["summary"] = RunSummary(
         best_loss=run["best_loss"],
         last_step=run["last_step"],
-        max_steps=max_steps if isinstance(max_steps, int) else None,
+        max_steps=max_steps if isinstance(max_steps, int) and not isinstance(max_steps, bool) else None,
         retries_used=run["retries_used"],
         crash_restarts_used=run["crash_restarts_used"],
         anomalies_by_kind=anomalies,

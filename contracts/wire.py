@@ -28,6 +28,13 @@ from typing import Any
 from contracts.recipe import Recipe, recipe_to_dict, validate_recipe_data
 
 EVENT_TYPES = frozenset({"metric", "layer_stats", "anomaly", "checkpoint", "end"})
+ANOMALY_KINDS = (
+    "nonfinite", "loss_scale_collapse", "grad_norm_spike", "loss_spike", "divergence", "oscillation", "stagnation",
+    "vanishing_gradients", "skip_escalation",  # the step detectors (workers/detectors)
+    "vanishing", "never_learned", "degraded", "above_bar",  # the outcome verdict (workers/verdict.py)
+)
+"""Every ``kind`` an ``anomaly`` event can carry. A ``Finding`` of any other kind is refused when it is made, so
+a new kind must be added here, where the API's ``?kind=`` filter learns it."""
 OUTCOMES = ("succeeded", "diverged", "cancelled")
 """What an attempt can end as on the worker side (a crash never reaches an ``end`` event)."""
 

@@ -35,6 +35,7 @@ from workers.comm import load_powersgd_state, powersgd_state_dict
 from workers.context import WorkerContext, barrier, gather_objects
 from workers.detectors import DetectorSuite, LossSummary
 from workers.faults import FaultInjector
+from workers.optim import apply_hyperparameters, load_optimizer_state
 from workers.precision import LossScaler
 from workers.sinks import EventSink
 
@@ -81,9 +82,9 @@ class TrainingState:
         parts come back to the same rank when the world size is unchanged; otherwise every rank takes rank 0's
         RNG and PowerSGD starts afresh.
         """
-        self.optimizer.load_state_dict(saved["optimizer"])
-        for group in self.optimizer.param_groups:
-            group.update(hyperparameters)
+        trainable = [p for p in self.module.parameters() if p.requires_grad]
+        load_optimizer_state(self.optimizer, saved["optimizer"], trainable)
+        apply_hyperparameters(self.optimizer, dict(hyperparameters))
         self.scaler.load_state_dict(saved["scaler"])
         self.detectors.load_state_dict(saved["detectors"])
         self.clipper.load_state_dict(saved["clipper"])

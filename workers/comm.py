@@ -14,11 +14,12 @@ from typing import Any
 import numpy as np
 import torch
 import torch.distributed as dist
-from torch import Tensor, nn
+from torch import nn
 
-from contracts.recipe import Compression, DType, Recipe
+from contracts.recipe import Compression, Recipe
 from workers.context import WorkerContext
-from workers.precision import autocast
+from workers.data import Batch
+from workers.objective import Objective
 
 
 class EngineConfigError(ValueError):
@@ -73,21 +74,18 @@ def no_sync(model: nn.Module, module: nn.Module, skip_sync: bool) -> contextlib.
     return contextlib.nullcontext()
 
 
-def prime_ddp_buckets(
-    model: nn.Module, module: nn.Module, batch: tuple[Tensor, Tensor], dtype: DType, device: torch.device
-) -> None:
+def prime_ddp_buckets(model: nn.Module, module: nn.Module, objective: Objective, batch: Batch) -> None:
     """One zero-loss forward/backward before PowerSGD's state is restored.
 
     PowerSGD keys its error-feedback and low-rank memories by DDP bucket, and DDP re-orders the tensors in its
     buckets after the first iteration (the reason PowerSGD needs ``start_powerSGD_iter >= 2``). A resumed
     worker group is at its first iteration again, so it runs this no-op iteration first (grads zero, buffers
-    restored, no optimizer step): the saved memories then meet the bucket layout they were saved with.
+    restored, no optimizer step): the saved memories then meet the bucket layout they were saved with. The forward
+    is the training step's own (``objective.loss`` through the DDP ``model``).
     """
     buffers = [b.detach().clone() for b in module.buffers()]
-    inputs, targets = batch
-    with autocast(dtype, device):
-        loss = model((inputs.to(device), targets.to(device)))
-    (loss.float() * 0.0).backward()
+    loss = objective.loss(batch, model=model)
+    (loss * 0.0).backward()  # type: ignore[no-untyped-call]
     for p in module.parameters():
         if p.requires_grad:
             p.grad = None

@@ -24,6 +24,7 @@ from contracts.recipe import (
     KillWorkerFault,
     NanLossFault,
 )
+from workers.data.batch import Batch, has_float_inputs, scale_float_inputs
 
 
 class InjectedCrash(RuntimeError):
@@ -55,21 +56,25 @@ class FaultInjector:
             while True:
                 time.sleep(3600)
 
-    def on_batch(self, step: int, batch: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-        """batch_scale on float inputs (token inputs are scaled through the loss in ``on_loss``)."""
-        inputs, targets = batch
+    def on_batch(self, step: int, batch: Batch) -> Batch:
+        """batch_scale on the float inputs of a tuple or dict batch (targets and ``labels`` are left alone); a
+        batch with integer inputs only (tokens) is scaled through the loss in ``on_loss`` instead."""
         for f in self._at(step, BatchScaleFault):
-            if inputs.is_floating_point():
-                inputs = inputs * f.factor
-        return inputs, targets
+            if has_float_inputs(batch):
+                batch = scale_float_inputs(batch, f.factor)
+        return batch
 
-    def on_loss(self, step: int, loss: torch.Tensor, inputs: torch.Tensor | None = None) -> torch.Tensor:
-        """nan_loss: the loss (and so every gradient) becomes NaN; batch_scale on token data scales the loss."""
+    def on_loss(self, step: int, loss: torch.Tensor, batch: Batch | torch.Tensor | None = None) -> torch.Tensor:
+        """nan_loss: the loss (and so every gradient) becomes NaN; batch_scale on a batch without float inputs (the
+        batch, or just its inputs tensor) scales the loss."""
         for _ in self._at(step, NanLossFault):
             loss = loss * float("nan")
-        if inputs is not None and not inputs.is_floating_point():
-            for f in self._at(step, BatchScaleFault):
-                loss = loss * f.factor
+        if batch is not None:
+            integer_only = (not batch.is_floating_point()) if isinstance(batch, torch.Tensor) \
+                else not has_float_inputs(batch)
+            if integer_only:
+                for f in self._at(step, BatchScaleFault):
+                    loss = loss * f.factor
         return loss
 
     def on_grads(self, step: int, params: Iterable[torch.nn.Parameter]) -> None:

@@ -42,17 +42,24 @@ from workers.clipping import (
 )
 from workers.comm import check_backend, no_sync, prime_ddp_buckets, wrap_ddp
 from workers.context import WorkerContext
-from workers.data import DataSource, build_data
+from workers.data import DataSource, build_data, to_device
 from workers.detectors import Decision, DetectorSuite, Finding, StepSignals
 from workers.faults import FaultInjector
 from workers.models import build_model, freeze_first_n_blocks, param_block_index, set_activation_checkpointing
+from workers.models.lora import apply_lora
+from workers.objective import Objective
 from workers.optim import build_optimizer, hyperparameters
-from workers.precision import LossScaler, autocast
+from workers.precision import LossScaler
 from workers.schedule import lr_at
 from workers.signals import GatheredStep, RankSignals, combine, gather
 from workers.sinks import EventSink
 from workers.telemetry import layer_stats_payload, metric_payload
 from workers.verdict import Evidence, Verdict, early_check_step, final_loss, judge_end, judge_progress
+
+
+def _num(x: float | None) -> str:
+    """A detector's number for a reason line: 4 significant digits (``9.579``, not ``9.578632354736328``)."""
+    return "n/a" if x is None else format(x, ".4g")
 
 
 @dataclass
@@ -90,6 +97,9 @@ class GuardedTrainer:
             world_size=ctx.world_size, allowed_import_modules=spec.allowed_import_modules,
         )
         self.module: nn.Module = self._build_model()
+        self.objective = Objective(self.module, r.loss, dtype=r.precision.dtype, device=self.device,
+                                   allowed_import_modules=spec.allowed_import_modules)
+        """How a batch becomes the loss (``objective.loss(batch)``): the training step, DDP priming and eval."""
         self.named_params = [(n, p) for n, p in self.module.named_parameters() if p.requires_grad]
         self.params = [p for _, p in self.named_params]
         self._block_members = self._block_membership()
@@ -107,7 +117,7 @@ class GuardedTrainer:
         self.comm_state: Any = None
         if ctx.distributed:
             self.model, self.comm_state = wrap_ddp(self.module, r, self.device)
-        self.optimizer = build_optimizer(self.params, r.optimizer)
+        self.optimizer = build_optimizer(self.named_params, r.optimizer, self.module)
         self.scaler = LossScaler(r.precision, self.device)
         self.clipper = Clipper(r.clipping, self.named_params)
         self.fp16_dynamic = r.precision.dtype is DType.fp16 and r.precision.loss_scaling is LossScaling.dynamic
@@ -229,13 +239,11 @@ class GuardedTrainer:
         loss_sum = torch.zeros((), dtype=torch.float32, device=self.device)
         for micro in range(accum):
             index = (step + self.spec.data_offset) * accum + micro
-            inputs, targets = self.faults.on_batch(step, self.data.batch(index))
-            inputs, targets = inputs.to(self.device, non_blocking=True), targets.to(self.device, non_blocking=True)
+            batch = to_device(self.faults.on_batch(step, self.data.batch(index)), self.device)
             with no_sync(self.model, self.module, skip_sync=micro < accum - 1):
-                with autocast(r.precision.dtype, self.device):
-                    loss = self.model((inputs, targets))
-                loss = self.faults.on_loss(step, loss, inputs)
-                self.scaler.scale(loss.float() / accum).backward()  # type: ignore[no-untyped-call]
+                loss = self.objective.loss(batch, model=self.model)  # autocast forward, fp32 loss
+                loss = self.faults.on_loss(step, loss, batch)
+                self.scaler.scale(loss / accum).backward()  # type: ignore[no-untyped-call]
             loss_sum += loss.detach().float()
         return loss_sum / accum
 
@@ -296,8 +304,8 @@ class GuardedTrainer:
         res.onset_step = report.decision.onset_step
         if first is not None:
             res.detector, res.value = first.kind, first.value
-            res.reason = (f"{first.kind} at step {report.step} (onset {res.onset_step}): value {first.value} vs "
-                          f"threshold {first.threshold}; rolled back")
+            res.reason = (f"{first.kind} detected at step {report.step}, onset at step {res.onset_step}: value "
+                          f"{_num(first.value)} vs threshold {_num(first.threshold)}; rolled back")
 
     # --------------------------------------------------------------------------------------- verdict
     def _evidence(self) -> Evidence:
@@ -352,7 +360,9 @@ class GuardedTrainer:
     def _build_model(self) -> nn.Module:
         r = self.recipe
         model = build_model(r.model, self.data, seed=r.training.seed,
-                            allowed_import_modules=self.spec.allowed_import_modules)
+                            allowed_import_modules=self.spec.allowed_import_modules, loss=r.loss)
+        if r.distributed.lora is not None:
+            apply_lora(model, r.distributed.lora)
         if r.distributed.freeze_first_n_blocks:
             freeze_first_n_blocks(model, r.distributed.freeze_first_n_blocks)
         if r.distributed.activation_checkpointing:
@@ -361,10 +371,9 @@ class GuardedTrainer:
 
     def _block_membership(self) -> list[Tensor]:
         """For each block, the indices of its trainable parameters in ``self.params`` (the grad-norm order)."""
-        try:
-            owner = param_block_index(self.module)
-        except ValueError:
-            return []
+        owner = param_block_index(self.module)
+        if not owner:
+            return []  # no blocks found: no per-layer profile
         return block_members([n for n, _ in self.named_params], owner, self.device)
 
     def _restore(self, saved: dict[str, Any]) -> None:
@@ -372,7 +381,7 @@ class GuardedTrainer:
         if self.comm_state is not None:
             accum = self.recipe.training.grad_accum_steps
             batch = self.data.batch((self.start_step + self.spec.data_offset) * accum)
-            prime_ddp_buckets(self.model, self.module, batch, self.recipe.precision.dtype, self.device)
+            prime_ddp_buckets(self.model, self.module, self.objective, batch)
         ratio = self.state.load_state_dict(saved, hyperparameters=hyperparameters(self.recipe.optimizer),
                                            rank=self.ctx.rank, world_size=self.ctx.world_size, device=self.device)
         if ratio is not None:

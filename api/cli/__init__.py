@@ -11,7 +11,8 @@ from api.cli.app import app
 from orchestrator.settings import settings_error_lines
 
 COMMAND_MODULES = (
-    "submit_cmd", "runs_cmd", "inspect_cmd", "db_cmd", "recipe_cmd", "serve_cmd", "token_cmd", "train_cmd",
+    "submit_cmd", "runs_cmd", "inspect_cmd", "export_cmd", "db_cmd", "recipe_cmd", "serve_cmd", "token_cmd",
+    "train_cmd",
 )
 """Imported in this order: each registers its commands on ``app``, and ``ballast --help`` lists them so."""
 for _name in COMMAND_MODULES:

@@ -20,3 +20,9 @@ def fail(message: str, code: int = EXIT_ERROR) -> typer.Exit:
     """``error: <message>`` on stderr; raise the returned ``typer.Exit`` to end the command with ``code``."""
     typer.echo(f"error: {message}", err=True)
     return typer.Exit(code)
+
+
+def first_line(exc: BaseException) -> str:
+    """An exception as one line for a message: its text's first line, else its type's name."""
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__

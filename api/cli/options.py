@@ -12,7 +12,8 @@ import typer
 from rich.console import Console
 
 from api.cli.app import EXIT_ERROR
-from api.client import DEFAULT_URL, BallastClient, ClientError
+from api.client import DEFAULT_URL
+from ballast import Client, ClientError
 
 UrlOpt = Annotated[
     str | None,
@@ -40,9 +41,9 @@ def echo_json(data: Any) -> None:
 
 
 @contextmanager
-def connect(url: str | None, token: str | None, *, prefix: str = "error") -> Iterator[BallastClient]:
+def connect(url: str | None, token: str | None, *, prefix: str = "error") -> Iterator[Client]:
     """A client; any ClientError becomes one line per problem on stderr and exit code 2."""
-    client = BallastClient(url, token)
+    client = Client(url, token)
     try:
         yield client
     except ClientError as exc:

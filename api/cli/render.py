@@ -43,6 +43,11 @@ def timestamp(v: Any) -> str:
     return str(v).replace("T", " ")[:16] if v else "-"
 
 
+def short_timestamp(v: Any) -> str:
+    """``MM-DD HH:MM`` (UTC, as the API sends it): a listing's column, where the year costs 5 of 80 columns."""
+    return timestamp(v)[5:] if v else "-"
+
+
 def step_of(summary: Mapping[str, Any]) -> str:
     """``last/max`` steps of a run's summary, or ``-`` before its first step."""
     if summary.get("last_step") is None:
@@ -85,12 +90,18 @@ def overrides_text(overrides: Mapping[str, Any]) -> str:
     )
 
 
-def table(columns: Iterable[str], *, right: Iterable[str] = ()) -> Table:
-    """A borderless table with bold headers; the columns named in ``right`` are right-aligned."""
-    aligned = set(right)
+def table(columns: Iterable[str], *, right: Iterable[str] = (), flexible: Iterable[str] = ()) -> Table:
+    """A borderless table with bold headers; the columns named in ``right`` are right-aligned.
+
+    With ``flexible`` named, only those columns give way on a narrow terminal (shortened with an ellipsis); the
+    others keep their whole values (ids, states, numbers, times), which are short and must stay readable.
+    """
+    aligned, shrink = set(right), set(flexible)
     out = Table(box=None, pad_edge=False, header_style="bold")
     for col in columns:
-        out.add_column(col, justify="right" if col in aligned else "left")
+        out.add_column(col, justify="right" if col in aligned else "left",
+                       no_wrap=bool(shrink) and col not in shrink,
+                       overflow="ellipsis" if col in shrink else "fold")
     return out
 
 

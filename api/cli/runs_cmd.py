@@ -11,7 +11,17 @@ from rich.text import Text
 
 from api.cli.app import app, fail
 from api.cli.options import CursorOpt, JsonOpt, RunArg, TokenOpt, UrlOpt, connect, console, echo_json
-from api.cli.render import number, outcome_text, overrides_text, page_footer, state_style, step_of, table, timestamp
+from api.cli.render import (
+    number,
+    outcome_text,
+    overrides_text,
+    page_footer,
+    short_timestamp,
+    state_style,
+    step_of,
+    table,
+    timestamp,
+)
 from api.cli.watch import TERMINAL
 from api.cli.watch import watch as follow_run
 from orchestrator.policy.states import RunState
@@ -39,14 +49,15 @@ def runs_list(
     if as_json:
         echo_json(page)
         return
-    rows = table(("ID", "NAME", "STATE", "ATTEMPT", "RETRIES", "STEP", "BEST LOSS", "ANOMALIES", "CREATED"),
-                 right=("ID", "ATTEMPT", "RETRIES", "ANOMALIES"))
+    # short headers and an MM-DD date: the whole row fits 80 columns with a 16-character name; only NAME gives way
+    rows = table(("ID", "NAME", "STATE", "ATT", "RETRY", "STEP", "BEST", "ANOM", "CREATED"),
+                 right=("ID", "ATT", "RETRY", "STEP", "BEST", "ANOM"), flexible=("NAME",))
     for r in page.get("data", []):
         s = r.get("summary") or {}
         rows.add_row(
             str(r["id"]), r["name"], Text(r["state"], style=state_style(r["state"])), str(r["current_attempt"]),
             str(s.get("retries_used", 0)), step_of(s), number(s.get("best_loss")), str(s.get("anomalies_total", 0)),
-            Text(timestamp(r.get("created_at")), no_wrap=True),
+            short_timestamp(r.get("created_at")),
         )
     out = console()
     out.print(rows)
@@ -54,16 +65,31 @@ def runs_list(
 
 
 def _attempts_table(attempts: list[dict[str, Any]]) -> Table:
-    rows = Table(box=None, pad_edge=False, header_style="bold", title_justify="left")
-    for col in ("#", "KIND", "STATE", "FROM", "LAST", "OVERRIDES", "REASON"):
-        rows.add_column(col, overflow="fold")
+    """One row per attempt; the overrides fold onto more lines, the short columns never do. The reasons, which
+    run to a sentence, are printed under the table (``_reasons``) at the terminal's full width."""
+    rows = table(("#", "KIND", "STATE", "FROM", "LAST", "OVERRIDES"), right=("#", "FROM", "LAST"),
+                 flexible=("OVERRIDES",))
+    rows.columns[-1].overflow = "fold"
     for a in attempts:
         rows.add_row(
             str(a["number"]), a.get("kind") or "", Text(a["state"], style=state_style(a["state"])),
             str(a.get("resume_step", 0)), "-" if a.get("last_step") is None else str(a["last_step"]),
-            overrides_text(a.get("overrides") or {}) or "-", a.get("reason") or outcome_text(a) or "-",
+            overrides_text(a.get("overrides") or {}) or "-",
         )
     return rows
+
+
+def _reasons(attempts: list[dict[str, Any]]) -> list[Text]:
+    """``attempt N: why it started`` and ``attempt N ended: why`` lines, in order."""
+    out: list[Text] = []
+    for a in attempts:
+        n = a["number"]
+        if a.get("reason"):
+            out.append(Text.assemble((f"attempt {n} started: ", "dim"), str(a["reason"])))
+        ended = outcome_text(a)
+        if ended and ended != a.get("reason"):
+            out.append(Text.assemble((f"attempt {n} ended: ", "dim"), ended))
+    return out
 
 
 @runs_app.command("show")
@@ -102,6 +128,8 @@ def runs_show(run_id: RunArg, url: UrlOpt = None, token: TokenOpt = None, as_jso
     if attempts:
         out.print()
         out.print(_attempts_table(attempts))
+        for line in _reasons(attempts):
+            out.print(line)
 
 
 @runs_app.command("watch")

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
-from api.cli.app import app
+from api.cli.app import app, first_line
 from api.cli.db_cmd import redacted_url
 from orchestrator.settings import Settings, get_settings
 
@@ -47,11 +47,6 @@ def _refuse(message: str) -> typer.Exit:
     return typer.Exit(EXIT_REFUSED)
 
 
-def _first_line(exc: BaseException) -> str:
-    text = str(exc).strip()
-    return text.splitlines()[0] if text else ""
-
-
 def _prepare_database(settings: Settings, migrate: bool) -> sessionmaker[Session]:
     """Migrate (idempotent) and return a session factory; an unreachable database is a clear refusal."""
     import migrations
@@ -63,7 +58,7 @@ def _prepare_database(settings: Settings, migrate: bool) -> sessionmaker[Session
         try:
             migrations.upgrade(settings.database_url)
         except Exception as exc:  # OperationalError, a bad URL, a missing driver: the operator must fix it
-            first = _first_line(exc) or type(exc).__name__
+            first = first_line(exc)
             raise _refuse(f"cannot migrate the database at {redacted_url(settings.database_url)}: {first}") from None
     return make_session_factory(make_engine(settings.database_url))
 
@@ -102,7 +97,7 @@ def _start_scheduler(scheduler: Any, ray: str) -> None:
     thread.join()
     if errors:
         raise _refuse(f"cannot start the scheduler on Ray ({ray}): {type(errors[0]).__name__}: "
-                      f"{_first_line(errors[0])}")
+                      f"{first_line(errors[0])}")
 
 
 def _exit_cleanly(signum: int, _frame: FrameType | None) -> None:

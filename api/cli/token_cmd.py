@@ -13,8 +13,12 @@ from typing import Any
 import typer
 from sqlalchemy.orm import Session
 
+import migrations
 from api.auth import SCOPES, issue_token
-from api.cli.app import app, fail
+from api.cli.app import app, fail, first_line
+from api.cli.db_cmd import redacted_url
+from api.cli.options import console
+from api.cli.render import table, timestamp
 from orchestrator.settings import get_settings
 from orchestrator.store import repo
 from orchestrator.store.db import make_engine, make_session_factory, transaction
@@ -26,8 +30,16 @@ app.add_typer(token_app, name="token")
 
 @contextmanager
 def _session() -> Iterator[Session]:
-    """One transaction on the configured database; the engine is disposed afterwards."""
-    engine = make_engine(get_settings().database_url)
+    """One transaction on the configured database, migrated first (idempotent, as ``serve`` does: the first
+    admin token is often made before the service ever started); the engine is disposed afterwards."""
+    url = get_settings().database_url
+    if url.startswith("sqlite"):
+        get_settings().home.mkdir(parents=True, exist_ok=True)
+    try:
+        migrations.upgrade(url)
+    except Exception as exc:  # unreachable server, bad URL, missing driver: one line, not a traceback
+        raise fail(f"cannot migrate the database at {redacted_url(url)}: {first_line(exc)}") from None
+    engine = make_engine(url)
     try:
         with transaction(make_session_factory(engine)) as session:
             yield session
@@ -73,9 +85,15 @@ def list_(as_json: bool = typer.Option(False, "--json", help="Print machine-read
     if as_json:
         typer.echo(json.dumps(rows))
         return
+    if not rows:
+        typer.echo("no tokens (create one: ballast token create --name NAME --scope admin)")
+        return
+    out = table(("ID", "NAME", "PRINCIPAL", "SCOPES", "STATE", "CREATED"), right=("ID",),
+                flexible=("NAME", "PRINCIPAL", "SCOPES"))
     for r in rows:
-        state = "revoked" if r["revoked"] else "active"
-        typer.echo(f"{r['id']:>4}  {r['name']:<20} {r['principal']:<20} {','.join(r['scopes']):<20} {state}")
+        out.add_row(str(r["id"]), r["name"], r["principal"], ",".join(r["scopes"]),
+                    "revoked" if r["revoked"] else "active", timestamp(r["created_at"]))
+    console().print(out)
 
 
 @token_app.command("revoke")

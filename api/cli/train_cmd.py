@@ -1,8 +1,12 @@
-"""`ballast train RECIPE.yaml`: run one recipe locally, without the service, with a live progress line.
+"""`ballast train RECIPE.yaml`: run a recipe locally, without the service, with a live progress line, and
+recover from divergences the way the service does.
 
-One attempt in this process (world size 1), or with ``--workers N`` a local Ray Train run of N CPU workers.
-Exit codes: 0 succeeded, 1 diverged, 2 bad recipe, setting or checkpoint, 3 crashed (an injected crash fault),
-130 cancelled (Ctrl-C). A kill_worker fault SIGKILLs this process, as it would a worker.
+Each attempt runs in this process (world size 1), or with ``--workers N`` as a local Ray Train run of N CPU
+workers; after a divergence or a crash the recovery policy the orchestrator applies (``api/cli/local_run.py``)
+picks the checkpoint and the tightened settings of the next attempt, until one succeeds or the policy gives up.
+Exit codes: 0 succeeded, 1 diverged (the policy gave up), 2 bad recipe, setting or checkpoint, 3 crashed (the
+last attempt crashed, e.g. an injected crash fault), 130 cancelled (Ctrl-C). A kill_worker fault SIGKILLs this
+process in-process mode, as it would a worker.
 """
 
 from __future__ import annotations
@@ -25,14 +29,16 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from api.cli.app import app, fail
+from api.cli.local_run import AttemptCrashed, Ended, LocalAttempt, LocalOutcome, LocalRun, result_from_sink
 from api.cli.render import number
 from contracts.recipe import Recipe, RecipeError, load_recipe
+from contracts.wire import AttemptSpec, EndEvent
 from orchestrator.settings import get_settings
 from workers.sinks import ListSink
 
-EXIT_CODES = {"succeeded": 0, "diverged": 1, "cancelled": 130}
 EXIT_CRASHED = 3
-"""An injected crash (corrupt_checkpoint fault): the attempt died the way a worker would."""
+"""The last attempt crashed (e.g. an injected corrupt_checkpoint fault): it died the way a worker would."""
+EXIT_CODES = {"succeeded": 0, "diverged": 1, "crashed": EXIT_CRASHED, "cancelled": 130}
 
 
 def _fmt(x: Any, spec: str = ".4g") -> str:
@@ -70,14 +76,15 @@ class ProgressSink(ListSink):
 
 
 @contextmanager
-def _stop_on_sigint(sink: ProgressSink) -> Iterator[None]:
-    """First Ctrl-C asks the loop to stop after the current step; a second one interrupts at once."""
+def _stop_on_sigint(loop: LocalRun) -> Iterator[None]:
+    """First Ctrl-C asks the attempt to stop after the current step (and no other to start); a second one
+    interrupts at once."""
     previous = signal.getsignal(signal.SIGINT)
 
     def handler(signum: int, frame: FrameType | None) -> None:
-        if sink.stop_requested:
+        if loop.stop_requested:
             raise KeyboardInterrupt
-        sink.stop_requested = True
+        loop.request_stop()
 
     if threading.current_thread() is threading.main_thread():
         signal.signal(signal.SIGINT, handler)
@@ -109,9 +116,53 @@ def _load(path: Path, steps: int | None, workers: int | None) -> Recipe:
         raise fail("; ".join(f"{path}: {e}" for e in exc.errors)) from None
 
 
-def _summary(console: Console, result: dict[str, Any], elapsed: float, kept_dir: str | None) -> None:
+def _changes(overrides: dict[str, list[Any]]) -> str:
+    return ", ".join(f"{path} {old} → {new}" for path, (old, new) in overrides.items()) or "the recipe's settings"
+
+
+def attempt_started(a: LocalAttempt) -> str:
+    """One line: where an attempt starts and with what (the first one: only if it resumes)."""
+    if a.resumed_from is not None:
+        where = f"from the step-{a.resumed_from.step} checkpoint"
+        if a.resumed_from.attempt_number:
+            where += f" of attempt {a.resumed_from.attempt_number}"
+    else:
+        where = "from initialisation"
+    extra = ""
+    if a.spec.rewarm_steps:
+        extra += f", re-warm {a.spec.rewarm_steps} steps"
+    if a.spec.data_offset:
+        extra += f", data offset {a.spec.data_offset}"
+    return f"attempt {a.number} ({a.kind}) {where} with {_changes(a.overrides)}{extra}"
+
+
+def attempt_ended(a: LocalAttempt) -> str:
+    """One line: how an attempt ended and what the policy decided after it."""
+    ended = a.ended
+    assert ended is not None
+    end, result = ended.end, ended.result
+    line = f"attempt {a.number} {ended.outcome}"
+    if ended.outcome == "diverged" and end is not None:
+        onset = end.onset_step if end.onset_step is not None else end.final_step
+        line += f" at step {onset} ({end.detector or 'anomaly'})"
+    line += f", reached step {result.get('final_step')}"
+    if ended.error:
+        line += f": {ended.error}"
+    if a.decision is not None:
+        line += f"\n  → {a.decision}"
+    return line
+
+
+def _summary(console: Console, run: LocalOutcome, elapsed: float, kept_dir: str | None) -> None:
+    for a in run.attempts:
+        if a.number > 1 or a.resumed_from is not None:
+            console.print(attempt_started(a), highlight=False)
+        console.print(attempt_ended(a), highlight=False)
+    result = run.to_dict()
+    count = len(run.attempts)
     console.print(
-        f"[bold]{result['outcome']}[/] after {result['final_step']} steps in {elapsed:.1f}s"
+        f"[bold]{result['outcome']}[/] after {result['final_step']} steps, {count} attempt{'s' if count > 1 else ''}, "
+        f"in {elapsed:.1f}s"
         + (f" (onset step {result['onset_step']}: {result['detector']})" if result.get("onset_step") is not None
            else "")
     )
@@ -119,7 +170,9 @@ def _summary(console: Console, result: dict[str, Any], elapsed: float, kept_dir:
     if losses:
         console.print(f"loss: first {losses[0]:.4g}, last {losses[-1]:.4g}, best {min(losses):.4g}")
     if result.get("reason"):
-        console.print(f"reason: {result['reason']}")
+        console.print(f"reason: {result['reason']}", highlight=False)
+    if run.gave_up:
+        console.print(f"gave up: {run.gave_up}", highlight=False)
     kinds: dict[str, int] = {}
     for f in result.get("findings", []):
         kinds[f["kind"]] = kinds.get(f["kind"], 0) + 1
@@ -141,111 +194,150 @@ def train(
     recipe_file: Path = typer.Argument(..., help="Recipe YAML file."),
     steps: int | None = typer.Option(None, "--steps", min=1, help="Override training.max_steps."),
     checkpoint_dir: Path | None = typer.Option(
-        None, "--checkpoint-dir", help="Keep checkpoints here (default: a temporary directory, removed after)."
+        None, "--checkpoint-dir",
+        help="Keep checkpoints here, one attempt-N directory per attempt (default: a temporary directory, removed "
+             "after).",
     ),
-    resume: Path | None = typer.Option(None, "--resume", help="Resume from this checkpoint directory."),
+    resume: Path | None = typer.Option(None, "--resume", help="Resume attempt 1 from this checkpoint directory."),
     workers: int | None = typer.Option(
-        None, "--workers", min=1, help="Data-parallel workers; more than 1 runs a local Ray Train job."
+        None, "--workers", min=1, help="Data-parallel workers; more than 1 runs each attempt as a local Ray Train job."
     ),
     as_json: bool = typer.Option(False, "--json", help="Print the result as JSON instead of the progress line."),
 ) -> None:
-    """Run one recipe locally (no server). Exit 0 on success, 1 on divergence, 2 on a bad recipe."""
+    """Run one recipe locally (no server), recovering from divergences by the recipe's recovery policy.
+
+    Exit 0 on success, 1 when it diverged and the policy gave up, 2 on a bad recipe, 3 when it crashed."""
     from contracts.checkpoint import CorruptCheckpoint
-    from contracts.wire import AttemptSpec
     from workers.data import SpecError
     from workers.entry import EngineConfigError
-    from workers.faults import InjectedCrash
 
     recipe = _load(recipe_file, steps, workers)
     for warning in recipe.warnings():
         typer.echo(f"warning: {warning}", err=True)
     tmp = None if checkpoint_dir is not None else tempfile.mkdtemp(prefix="ballast-train-")
-    ckpt_dir = str(checkpoint_dir if checkpoint_dir is not None else tmp)
-    spec = AttemptSpec(recipe=recipe, checkpoint_dir=ckpt_dir, resume_from=str(resume) if resume else None,
-                       allowed_import_modules=list(get_settings().allowed_import_modules))
+    root = Path(checkpoint_dir if checkpoint_dir is not None else str(tmp))
     console = Console(stderr=True)
     progress = None if as_json else Progress(
         MofNCompleteColumn(), BarColumn(bar_width=20), TextColumn("{task.description}"), TimeElapsedColumn(),
         console=console, transient=False,
     )
-    sink = ProgressSink(progress, recipe.training.max_steps)
+
+    def make_sink(spec: AttemptSpec, start_step: int) -> ProgressSink:
+        return ProgressSink(progress, spec.recipe.training.max_steps, start_step)
+
+    def said(line: str) -> None:
+        if progress is not None:
+            progress.console.print(line, highlight=False)
+
     started = time.perf_counter()
     try:
-        with _stop_on_sigint(sink):
-            if progress is not None:
-                progress.start()
-            try:
-                if recipe.resources.num_workers > 1:
-                    result = _train_ray(spec, sink)
-                else:
-                    from workers.entry import run_attempt
-
-                    result = run_attempt(spec, sink).to_dict()
-            finally:
+        with _runner(recipe, root) as runner:
+            loop = LocalRun(
+                recipe, root, runner, make_sink=make_sink,
+                allowed_import_modules=get_settings().allowed_import_modules,
+                on_start=lambda a: said(attempt_started(a)) if a.number > 1 else None,
+                on_end=lambda a: said(attempt_ended(a)),
+            )
+            with _stop_on_sigint(loop):
                 if progress is not None:
-                    progress.stop()
+                    progress.start()
+                try:
+                    outcome = loop.run(str(resume) if resume is not None else None)
+                finally:
+                    if progress is not None:
+                        progress.stop()
     except (SpecError, EngineConfigError, RecipeError, CorruptCheckpoint, FileNotFoundError) as exc:
         raise fail(str(exc)) from None
-    except InjectedCrash as exc:
-        typer.echo(f"crashed: {exc}", err=True)
-        raise typer.Exit(EXIT_CRASHED) from None
+    except KeyboardInterrupt:  # the second Ctrl-C
+        typer.echo("cancelled", err=True)
+        raise typer.Exit(EXIT_CODES["cancelled"]) from None
     finally:
         if tmp is not None:
             shutil.rmtree(tmp, ignore_errors=True)
     elapsed = time.perf_counter() - started
+    code = EXIT_CODES.get(outcome.outcome, 1)
     if as_json:
-        typer.echo(json.dumps(result, indent=2, allow_nan=False))
+        typer.echo(json.dumps({**outcome.to_dict(), "exit_code": code}, indent=2, allow_nan=False))
     else:
-        _summary(Console(), result, elapsed, None if tmp is not None else ckpt_dir)
-    raise typer.Exit(EXIT_CODES.get(result["outcome"], 1))
+        _summary(Console(highlight=False, soft_wrap=True), outcome, elapsed, None if tmp is not None else str(root))
+    raise typer.Exit(code)
 
 
-def _train_ray(spec: Any, sink: ProgressSink) -> dict[str, Any]:
-    """N workers through a local Ray Train run. The worker group is launched, drained, stopped and ended
-    through the scheduler's ``RayLauncher``, the one client of the channel actor's protocol (acknowledged
-    events, plan answers, stop, kill); this process only plays the part of a store that keeps one attempt."""
-    import ray
+@contextmanager
+def _runner(recipe: Recipe, root: Path) -> Iterator[Any]:
+    """The attempt runner for this recipe: in this process, or (``num_workers > 1``) a local Ray Train run per
+    attempt, with Ray started once for all of them."""
+    if recipe.resources.num_workers <= 1:
+        yield run_in_process
+        return
+    with _RayAttempts(recipe, root) as runner:
+        yield runner
 
-    from orchestrator.scheduler import RayLauncher
 
-    recipe = spec.recipe
-    started_ray = False
-    if not ray.is_initialized():
-        ray.init(num_cpus=max(2, int(recipe.resources.num_workers * recipe.resources.cpus_per_worker) + 1),
-                 include_dashboard=False, log_to_driver=False)
-        started_ray = True
-    launcher = RayLauncher(get_settings())
-    handle = None
+def run_in_process(spec: AttemptSpec, sink: ListSink) -> Ended:
+    """The in-process ``AttemptRunner``: one attempt in this process (world size 1)."""
+    from workers.entry import run_attempt
+    from workers.faults import InjectedCrash
+
     try:
-        storage = str(Path(spec.checkpoint_dir).resolve())
+        result = run_attempt(spec, sink)
+    except InjectedCrash as exc:
+        raise AttemptCrashed(str(exc)) from exc
+    return Ended(result.outcome, result.end(), result.to_dict())
+
+
+class _RayAttempts:
+    """N workers through a local Ray Train run per attempt. Each worker group is launched, drained, stopped and
+    ended through the scheduler's ``RayLauncher``, the one client of the channel actor's protocol (acknowledged
+    events, plan answers, stop, kill); this process only plays the part of a store that keeps the attempts."""
+
+    def __init__(self, recipe: Recipe, root: Path) -> None:
+        self.recipe = recipe
+        self.storage = str(root.resolve())
+        self.started_ray = False
+
+    def __enter__(self) -> _RayAttempts:
+        import ray
+
+        from orchestrator.scheduler import RayLauncher
+
+        res = self.recipe.resources
+        if not ray.is_initialized():
+            ray.init(num_cpus=max(2, int(res.num_workers * res.cpus_per_worker) + 1), include_dashboard=False,
+                     log_to_driver=False)
+            self.started_ray = True
+        self.launcher = RayLauncher(get_settings())
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        import ray
+
+        if self.started_ray:
+            ray.shutdown()
+
+    def __call__(self, spec: AttemptSpec, sink: ProgressSink) -> Ended:
+        recipe = spec.recipe
+        run_name = f"attempt-{spec.attempt}"
         launch = {
             "spec": spec.to_dict(), "attempt": spec.attempt, "num_workers": recipe.resources.num_workers,
             "cpus_per_worker": recipe.resources.cpus_per_worker, "use_gpu": recipe.resources.use_gpu,
-            "gpus_per_worker": recipe.resources.gpus_per_worker, "run_name": "ballast-train",
-            "storage_path": storage, "checkpoint_uri_prefix": f"{storage}/ballast-train",
+            "gpus_per_worker": recipe.resources.gpus_per_worker, "run_name": run_name,
+            "storage_path": self.storage, "checkpoint_uri_prefix": f"{self.storage}/{run_name}",
         }
-        handle = launcher.launch(name=f"ballast-train-{uuid.uuid4().hex[:8]}", run_id=0, attempt=spec.attempt,
-                                 launch=launch)
-        end = _drain(launcher, handle, sink)
-        metrics = sink.of_type("metric")
-        return {
-            **end,
-            "losses": [m["loss"] for m in metrics],
-            "findings": sink.of_type("anomaly"),
-            "checkpoints": [{"step": c["step"], "path": c["uri"], "healthy": c["healthy"]}
-                            for c in sink.of_type("checkpoint")],
-            "skipped_steps": [m["step"] for m in metrics if m.get("skipped")],
-        }
-    finally:
-        if handle is not None:
-            launcher.kill(handle)
-        if started_ray:
-            ray.shutdown()
+        handle = self.launcher.launch(name=f"ballast-train-{uuid.uuid4().hex[:8]}", run_id=0, attempt=spec.attempt,
+                                      launch=launch)
+        try:
+            end = _drain(self.launcher, handle, sink)
+        finally:
+            self.launcher.kill(handle)
+        outcome = str(end.get("outcome"))
+        return Ended(outcome, EndEvent.from_dict(end), result_from_sink(sink, outcome, end=end))
 
 
 def _drain(launcher: Any, handle: Any, sink: ProgressSink) -> dict[str, Any]:
-    """Feed the channel's events to ``sink`` until the worker group ends; the attempt's ``end`` event data.
-    One attempt here: an in-place plan request is answered "no" (the attempt ends as it is)."""
+    """Feed the channel's events to ``sink`` until the worker group ends; the attempt's ``end`` event data
+    (``AttemptCrashed`` when the group failed or ended without one). An in-place plan request is answered "no":
+    the attempt ends as it is, and the local loop starts the next one."""
     acked: dict[int, int] = {}
     stop_sent = False
     end: dict[str, Any] | None = None
@@ -266,7 +358,7 @@ def _drain(launcher: Any, handle: Any, sink: ProgressSink) -> dict[str, Any]:
         fit = polled["fit"]
         if fit["state"] in ("done", "failed"):
             if end is None:
-                raise RuntimeError(f"the Ray Train run failed: {fit['error']}" if fit["state"] == "failed"
-                                   else "the Ray Train run ended without an end event")
+                raise AttemptCrashed(f"the Ray Train run failed: {fit['error']}" if fit["state"] == "failed"
+                                     else "the Ray Train run ended without an end event")
             return end
         time.sleep(0.25)

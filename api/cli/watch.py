@@ -194,7 +194,7 @@ class Tracker:
             if n == s.attempt:
                 self.view.update(s)  # progress before the attempt's end line
         if state in TERMINAL_ATTEMPT and prev not in TERMINAL_ATTEMPT:
-            at = f" at step {att['last_step']}" if att.get("last_step") is not None else ""
+            at = f" (last step {att['last_step']})" if att.get("last_step") is not None else ""
             why = outcome_text(att)
             style = "green" if state == "succeeded" else "red"
             self.view.event(f"attempt {n} {state}{at}" + (f": {why}" if why else ""), style)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from enum import StrEnum
 from typing import Annotated
 
 from fastapi import APIRouter, Query
@@ -11,7 +12,11 @@ from api.deps import MAX_ID, SessionDep
 from api.errors import problem_responses
 from api.schemas import AnomalyRead, Page
 from api.serialize import anomaly_read
+from contracts.wire import ANOMALY_KINDS
 from orchestrator.store import repo
+
+AnomalyKind = StrEnum("AnomalyKind", {k: k for k in ANOMALY_KINDS})  # type: ignore[misc]
+"""The ``kind`` filter's values: an unknown kind is a 422 naming the allowed ones, not an empty page."""
 
 router = APIRouter(tags=["anomalies"])
 
@@ -26,7 +31,7 @@ StepQuery = Annotated[int | None, Query(ge=0, le=MAX_ID)]
 def list_anomalies(
     run: ReadableRun,
     session: SessionDep,
-    kind: Annotated[str | None, Query(max_length=40, pattern=r"^[a-z0-9_]+$", examples=["grad_norm_spike"])] = None,
+    kind: Annotated[AnomalyKind | None, Query(examples=["grad_norm_spike"])] = None,
     attempt: Annotated[int | None, Query(ge=1, le=MAX_ID, description="Attempt number.")] = None,
     step_min: StepQuery = None,
     step_max: StepQuery = None,
@@ -34,8 +39,8 @@ def list_anomalies(
     cursor: Annotated[str | None, Query(max_length=200, description="`next` of the previous page.")] = None,
 ) -> Page[AnomalyRead]:
     page = repo.list_anomalies(
-        session=session, run_id=run.id, kind=kind, attempt=attempt, step_min=step_min, step_max=step_max,
-        limit=limit, cursor=cursor,
+        session=session, run_id=run.id, kind=None if kind is None else str(kind), attempt=attempt,
+        step_min=step_min, step_max=step_max, limit=limit, cursor=cursor,
     )
     return Page[AnomalyRead](
         data=[anomaly_read(a, n) for a, n in page.rows], count=page.count, next=page.next_cursor

@@ -68,7 +68,9 @@ def _message(kind: str, pos: _Position, payload: BaseModel) -> ServerSentEvent:
 
 
 def _snapshot(session: Session, run: Run) -> BaseModel:
-    return run_read(run, repo.anomaly_counts(session=session, run_ids=[run.id])[run.id])
+    ids = [run.id]
+    return run_read(run, repo.anomaly_counts(session=session, run_ids=ids)[run.id],
+                    repo.current_overrides(session=session, run_ids=ids)[run.id])
 
 
 def _poll(factory: sessionmaker[Session], run_id: int, pos: _Position, first: bool) -> _Batch:

@@ -38,7 +38,8 @@ def _run_detail(session: Session, run_id: int, owner: str | None) -> RunDetail:
     found = repo.get_run_overview(session=session, run_id=run_id, owner=owner)
     if found is None:
         raise run_not_found(run_id)
-    fields = run_fields(found.run, found.content_hash, found.recipe, found.anomalies_by_kind)
+    overrides = found.attempt["overrides"] if found.attempt is not None else None
+    fields = run_fields(found.run, found.content_hash, found.recipe, found.anomalies_by_kind, overrides)
     fields["attempt"] = AttemptRead.model_validate(found.attempt) if found.attempt is not None else None
     fields["recipe"] = found.recipe
     return RunDetail.model_validate(fields)
@@ -144,8 +145,11 @@ def _list_page(
     session: Session, owner: str | None, states: Sequence[RunState], name: str | None, limit: int, cursor: str | None
 ) -> Page[RunRead]:
     page = repo.list_runs(session=session, owner=owner, states=states, name=name, limit=limit, cursor=cursor)
-    counts = repo.anomaly_counts(session=session, run_ids=[r.id for r in page.rows])
-    return Page[RunRead](data=[run_read(r, counts[r.id]) for r in page.rows], count=page.count, next=page.next_cursor)
+    ids = [r.id for r in page.rows]
+    counts = repo.anomaly_counts(session=session, run_ids=ids)
+    overrides = repo.current_overrides(session=session, run_ids=ids)
+    return Page[RunRead](data=[run_read(r, counts[r.id], overrides[r.id]) for r in page.rows], count=page.count,
+                         next=page.next_cursor)
 
 
 @router.get(
@@ -173,7 +177,7 @@ def cancel_run(run: WritableRun, principal: SubmitPrincipal, session: SessionDep
     if run.state != RunState.cancelled.value:
         response.status_code = 202
     counts = repo.anomaly_counts(session=session, run_ids=[run.id])[run.id]
-    return run_read(run, counts)
+    return run_read(run, counts, repo.current_overrides(session=session, run_ids=[run.id])[run.id])
 
 
 @router.post(
@@ -200,4 +204,4 @@ def retry_run(
         raise RecipeError([FieldError(f"overrides.{e.path}", e.message, None) for e in exc.errors]) from None
     session.commit()
     counts = repo.anomaly_counts(session=session, run_ids=[run.id])[run.id]
-    return RetryResult(run=run_read(run, counts), attempt=AttemptRead.model_validate(attempt))
+    return RetryResult(run=run_read(run, counts, attempt.overrides), attempt=AttemptRead.model_validate(attempt))

@@ -8,11 +8,14 @@ into a ``Recipe``; ``imports`` is the one allow-list rule for ``module:function`
 from contracts.recipe.base import API_VERSION, DEFAULT_MAX_RECIPE_BYTES, KIND, Section
 from contracts.recipe.data import (
     CustomData,
+    DatasetData,
     DataSpec,
     MarkovData,
     RegressionData,
     SequenceData,
     SequenceTask,
+    TokenDType,
+    TokensFileData,
 )
 from contracts.recipe.detectors import (
     Action,
@@ -45,10 +48,13 @@ from contracts.recipe.loading import (
     recipe_to_dict,
     validate_recipe_data,
 )
+from contracts.recipe.loss import CrossEntropyLoss, CustomLoss, LossSpec, ModelLoss, MSELoss
 from contracts.recipe.model import (
+    BUILTIN_MODELS,
     Activation,
     CustomModel,
     DeepMLPModel,
+    HFCausalLMModel,
     LinearModel,
     ModelSpec,
     NormPosition,
@@ -60,6 +66,7 @@ from contracts.recipe.operations import (
     Checkpoint,
     Compression,
     Distributed,
+    LoRA,
     Recovery,
     RecoveryStrategy,
     Resources,
@@ -74,6 +81,7 @@ from contracts.recipe.training import (
     Decay,
     DType,
     LossScaling,
+    NoDecay,
     Optimizer,
     OptimizerName,
     Precision,
@@ -83,6 +91,8 @@ from contracts.recipe.training import (
 )
 
 __all__ = [
+    "BUILTIN_MODELS", "CrossEntropyLoss", "CustomLoss", "DatasetData", "HFCausalLMModel", "LoRA", "LossSpec", "MSELoss",
+    "ModelLoss", "NoDecay", "TokenDType", "TokensFileData",
     "API_VERSION", "DEFAULT_MAX_RECIPE_BYTES", "KIND", "SCHEDULE_PRESETS", "Action", "Activation", "BatchScaleFault",
     "Checkpoint", "ClipMethod", "Clipping", "Compression", "CorruptCheckpointFault", "CrossFieldErrors",
     "CustomData", "CustomModel", "DType", "DataSpec", "Decay", "DeepMLPModel", "Detectors", "Distributed", "Fault",

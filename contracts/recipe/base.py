@@ -10,8 +10,9 @@ from pydantic import BaseModel, ConfigDict
 API_VERSION: Literal["ballast/v1"] = "ballast/v1"
 KIND: Literal["StabilityRecipe"] = "StabilityRecipe"
 DEFAULT_MAX_RECIPE_BYTES = 256 * 1024
-MODEL_NAMES = ("tiny_gpt", "deep_mlp", "rnn", "linear", "custom")
-DATA_NAMES = ("markov", "regression", "sequence", "custom")
+MODEL_NAMES = ("tiny_gpt", "deep_mlp", "rnn", "linear", "custom", "hf_causal_lm")
+DATA_NAMES = ("markov", "regression", "sequence", "custom", "dataset", "tokens_file")
+LOSS_NAMES = ("model", "cross_entropy", "mse", "custom")
 
 
 class Section(BaseModel):

@@ -74,16 +74,69 @@ class CustomData(Section):
     """Keyword arguments for the factory."""
 
 
+class DatasetData(Section):
+    """A ``torch.utils.data.Dataset`` (map-style) from an import string; the module must be on the allow-list.
+
+    Batches come from a seeded, resumable sampler: batch ``index`` of a rank is a pure function of (training.seed,
+    rank, world size, index), each epoch a fresh permutation, so a resume or a skipped data window replays exactly.
+    Items are collated with ``torch.utils.data.default_collate``: ``(inputs, targets)`` pairs give tuple batches,
+    dicts give dict batches (passed to the model as keyword arguments)."""
+
+    name: Literal["dataset"] = "dataset"
+    factory: ImportString
+    """`module:function` returning the training ``Dataset``; called with ``params`` as keyword arguments."""
+    params: dict[str, Any] = Field(default_factory=dict)
+    """Keyword arguments for the factory (and for ``eval_factory``)."""
+    eval_factory: ImportString | None = None
+    """`module:function` returning the held-out ``Dataset``; None: hold out ``eval_fraction`` of the training one."""
+    eval_fraction: StrictFloat = Field(default=0.1, ge=0.0, le=0.5)
+    """Without ``eval_factory``: the fraction of items (a seeded random split) held out for evaluation."""
+    shuffle: bool = True
+    """A new seeded permutation every epoch (false: dataset order, epoch after epoch)."""
+
+
+class TokenDType(StrEnum):
+    uint16 = "uint16"
+    int32 = "int32"
+
+
+class TokensFileData(Section):
+    """Language-model data from a local file, in windows of ``seq_len`` tokens: dict batches ``{input_ids,
+    attention_mask, labels}`` (labels = input_ids; the model shifts them) from the same seeded sampler as
+    ``dataset``. The last ``eval_fraction`` of the windows is held out."""
+
+    name: Literal["tokens_file"] = "tokens_file"
+    path: str = Field(min_length=1, max_length=4096)
+    """A token file (``.npy``, ``.pt`` tensor, or raw ``.bin`` of ``dtype``), or a text file with ``tokenizer_path``."""
+    seq_len: StrictInt = Field(default=64, ge=2, le=131072)
+    """Tokens per sequence (must not exceed the model's positions)."""
+    tokenizer_path: str | None = Field(default=None, min_length=1, max_length=4096)
+    """A local tokenizer directory (``AutoTokenizer.from_pretrained(path, local_files_only=True)``): ``path`` is
+    then text, tokenized once."""
+    dtype: TokenDType = TokenDType.uint16
+    """Element type of a raw ``.bin`` file."""
+    eval_fraction: StrictFloat = Field(default=0.1, ge=0.0, le=0.5)
+    """Fraction of the windows (the file's tail) held out for evaluation."""
+    shuffle: bool = True
+    """A new seeded permutation of the windows every epoch."""
+
+
 DataSpec = Annotated[
     Annotated[MarkovData, Tag("markov")]
     | Annotated[RegressionData, Tag("regression")]
     | Annotated[SequenceData, Tag("sequence")]
-    | Annotated[CustomData, Tag("custom")],
+    | Annotated[CustomData, Tag("custom")]
+    | Annotated[DatasetData, Tag("dataset")]
+    | Annotated[TokensFileData, Tag("tokens_file")],
     Discriminator(
         name_tag("markov"),
         custom_error_type="invalid_name",
-        custom_error_message="unknown data name; expected one of: markov, regression, sequence, custom",
+        custom_error_message="unknown data name; expected one of: markov, regression, sequence, custom, dataset, "
+        "tokens_file",
     ),
 ]
 
-COMPATIBLE_DATA = {"tiny_gpt": {"markov"}, "deep_mlp": {"regression"}, "linear": {"regression"}, "rnn": {"sequence"}}
+COMPATIBLE_DATA = {"tiny_gpt": {"markov"}, "deep_mlp": {"regression"}, "linear": {"regression"}, "rnn": {"sequence"},
+                   "hf_causal_lm": {"tokens_file"}}
+"""Built-in pairings; user data (``custom``, ``dataset``) goes with any model (its batches are checked when built)."""
+USER_DATA = frozenset({"custom", "dataset"})

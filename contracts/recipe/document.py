@@ -6,11 +6,12 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, Field, model_validator
 
-from contracts.recipe.base import API_VERSION, DATA_NAMES, KIND, MODEL_NAMES, Section
-from contracts.recipe.data import COMPATIBLE_DATA, DataSpec, MarkovData
+from contracts.recipe.base import API_VERSION, DATA_NAMES, KIND, LOSS_NAMES, MODEL_NAMES, Section
+from contracts.recipe.data import COMPATIBLE_DATA, USER_DATA, DataSpec, MarkovData
 from contracts.recipe.detectors import Action, Detectors
 from contracts.recipe.faults import Fault
-from contracts.recipe.model import ModelSpec, TinyGPTModel
+from contracts.recipe.loss import LossSpec, ModelLoss
+from contracts.recipe.model import BUILTIN_MODELS, ModelSpec, TinyGPTModel
 from contracts.recipe.operations import Checkpoint, Compression, Distributed, Recovery, Resources, Telemetry
 from contracts.recipe.success import Success
 from contracts.recipe.training import ClipMethod, Clipping, DType, LossScaling, Optimizer, Precision, Schedule, Training
@@ -42,6 +43,8 @@ class Recipe(Section):
     """The model to train."""
     data: DataSpec = Field(default_factory=MarkovData)
     """The data to train on."""
+    loss: LossSpec = Field(default_factory=ModelLoss)
+    """How outputs become the loss (default: the model's own)."""
     training: Training = Field(default_factory=Training)
     """Steps, batch, accumulation, seed."""
     optimizer: Optimizer = Field(default_factory=Optimizer)
@@ -76,7 +79,7 @@ class Recipe(Section):
         if not isinstance(data, dict):
             return data
         errors: list[tuple[str, str]] = []
-        for section, known in (("model", MODEL_NAMES), ("data", DATA_NAMES)):
+        for section, known in (("model", MODEL_NAMES), ("data", DATA_NAMES), ("loss", LOSS_NAMES)):
             value = data.get(section)
             if value is None or isinstance(value, BaseModel):
                 continue
@@ -97,16 +100,7 @@ class Recipe(Section):
         if warmup >= max_steps:
             msg = f"warmup ({warmup} steps) must be shorter than training.max_steps ({max_steps})"
             errors.append(("schedule.warmup_steps", msg))
-        allowed = COMPATIBLE_DATA.get(self.model.name)
-        if allowed is not None and self.data.name not in allowed and self.data.name != "custom":
-            msg = f"model {self.model.name!r} needs data {sorted(allowed)}, got {self.data.name!r}"
-            errors.append(("data.name", msg))
-        if isinstance(self.model, TinyGPTModel) and isinstance(self.data, MarkovData):
-            if self.data.vocab_size != self.model.vocab_size:
-                msg = f"must equal model.vocab_size ({self.model.vocab_size}), got {self.data.vocab_size}"
-                errors.append(("data.vocab_size", msg))
-            if self.data.seq_len > self.model.context:
-                errors.append(("data.seq_len", f"must not exceed model.context ({self.model.context})"))
+        errors += self._model_data_errors()
         if self.distributed.compression is Compression.bf16 and not self.resources.use_gpu:
             msg = "bf16 compression needs NCCL (resources.use_gpu: true); gloo cannot"
             errors.append(("distributed.compression", msg))
@@ -120,6 +114,24 @@ class Recipe(Section):
         if errors:
             raise CrossFieldErrors(errors)
         return self
+
+    def _model_data_errors(self) -> list[tuple[str, str]]:
+        """The model, its data and its loss must fit together."""
+        errors: list[tuple[str, str]] = []
+        allowed = COMPATIBLE_DATA.get(self.model.name)
+        if allowed is not None and self.data.name not in allowed and self.data.name not in USER_DATA:
+            msg = f"model {self.model.name!r} needs data {sorted(allowed)}, got {self.data.name!r}"
+            errors.append(("data.name", msg))
+        if self.model.name in BUILTIN_MODELS and self.loss.name != "model":
+            msg = f"model {self.model.name!r} computes its own loss; leave the loss section out (name: model)"
+            errors.append(("loss.name", msg))
+        if isinstance(self.model, TinyGPTModel) and isinstance(self.data, MarkovData):
+            if self.data.vocab_size != self.model.vocab_size:
+                msg = f"must equal model.vocab_size ({self.model.vocab_size}), got {self.data.vocab_size}"
+                errors.append(("data.vocab_size", msg))
+            if self.data.seq_len > self.model.context:
+                errors.append(("data.seq_len", f"must not exceed model.context ({self.model.context})"))
+        return errors
 
     def warnings(self) -> list[str]:
         """Settings that are legal but probably not what the author wants."""

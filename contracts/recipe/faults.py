@@ -33,7 +33,8 @@ class GradScaleFault(_Fault):
 
 
 class BatchScaleFault(_Fault):
-    """Multiply the inputs (float data) or targets (token data: loss) of one batch by factor."""
+    """Multiply the float inputs of one batch by factor (every float tensor of a dict batch but ``labels``); a batch
+    with integer inputs only (tokens) has its loss multiplied instead."""
 
     type: Literal["batch_scale"] = "batch_scale"
     factor: StrictFloat = Field(default=1e3, gt=0.0)

@@ -14,8 +14,14 @@ from typing import Annotated, Any
 from pydantic import AfterValidator, ValidationInfo
 
 _IMPORT_RE = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")
-FACTORY_SECTIONS = ("model", "data")
-"""The recipe sections whose ``custom`` kind names a ``factory`` import string."""
+IMPORT_FIELDS: dict[str, dict[str, tuple[str, ...]]] = {
+    "model": {"custom": ("factory",)},
+    "data": {"custom": ("factory",), "dataset": ("factory", "eval_factory")},
+    "loss": {"custom": ("function",)},
+}
+"""Section → kind (``name``) → the fields of that kind that hold a ``module:function`` import string."""
+FACTORY_SECTIONS = tuple(IMPORT_FIELDS)
+"""The recipe sections with a kind that names an import string."""
 
 
 def module_allowed(module: str, allowed: Iterable[str]) -> bool:
@@ -39,10 +45,13 @@ def check_import_string(v: str, info: ValidationInfo) -> str:
 def named_modules(doc: Mapping[str, Any]) -> list[str]:
     """Modules of the factory import strings a recipe document (its JSON form) names."""
     mods: list[str] = []
-    for section in FACTORY_SECTIONS:
+    for section, kinds in IMPORT_FIELDS.items():
         part = doc.get(section)
-        if isinstance(part, Mapping) and part.get("name") == "custom" and isinstance(part.get("factory"), str):
-            mods.append(part["factory"].split(":", 1)[0])
+        if not isinstance(part, Mapping):
+            continue
+        for field in kinds.get(str(part.get("name")), ()):
+            if isinstance(part.get(field), str):
+                mods.append(part[field].split(":", 1)[0])
     return mods
 
 

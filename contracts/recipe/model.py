@@ -98,14 +98,46 @@ class LinearModel(Section):
     """Learn an intercept."""
 
 
+_ATTRIBUTE_PATH = r"^[A-Za-z_]\w*(\.[A-Za-z_0-9]\w*)*$"
+
+
 class CustomModel(Section):
-    """A user model from an import string; the module must be on the operator's allow-list."""
+    """Any ``torch.nn.Module`` from an import string; the module must be on the operator's allow-list.
+
+    The model is used unchanged: ``forward(inputs)`` (with a ``loss:`` section), ``forward(**batch)`` for dict
+    batches, or ``forward((inputs, targets)) -> scalar loss``. Its blocks (for freezing, activation checkpointing and
+    the per-layer profile) are ``model.blocks`` if it has one, else the ``blocks`` attribute path below, else the
+    longest ``nn.ModuleList`` of modules of one type."""
 
     name: Literal["custom"] = "custom"
     factory: ImportString
     """`module:function` returning a ``torch.nn.Module``; called with ``params`` as keyword arguments."""
     params: dict[str, Any] = Field(default_factory=dict)
     """Keyword arguments for the factory."""
+    blocks: str | None = Field(default=None, max_length=200, pattern=_ATTRIBUTE_PATH)
+    """Attribute path of the model's repeated blocks (e.g. ``transformer.h``); None: found automatically."""
+
+
+class HFCausalLMModel(Section):
+    """A Hugging Face causal LM built from a config (random init, no download) or loaded from a local directory.
+
+    Needs the optional ``transformers`` package (``pip install 'ballast[hf]'``). Its own loss is used (the batch's
+    ``labels``); blocks are found automatically (``transformer.h`` for GPT-2)."""
+
+    name: Literal["hf_causal_lm"] = "hf_causal_lm"
+    config: dict[str, Any] = Field(default_factory=lambda: {"model_type": "gpt2"})
+    """``AutoConfig.for_model(**config)``: ``model_type`` and its fields (e.g. gpt2: n_layer, n_embd, n_head,
+    vocab_size, n_positions)."""
+    pretrained_path: str | None = Field(default=None, min_length=1, max_length=4096)
+    """A local directory with a saved model (``from_pretrained(path, local_files_only=True)``); None: from config."""
+    blocks: str | None = Field(default=None, max_length=200, pattern=_ATTRIBUTE_PATH)
+    """Attribute path of the repeated blocks; None: found automatically."""
+
+    @model_validator(mode="after")
+    def _model_type(self) -> HFCausalLMModel:
+        if self.pretrained_path is None and not isinstance(self.config.get("model_type"), str):
+            raise ValueError("config.model_type: required (a string such as 'gpt2') unless pretrained_path is set")
+        return self
 
 
 ModelSpec = Annotated[
@@ -113,10 +145,15 @@ ModelSpec = Annotated[
     | Annotated[DeepMLPModel, Tag("deep_mlp")]
     | Annotated[RecurrentModel, Tag("rnn")]
     | Annotated[LinearModel, Tag("linear")]
-    | Annotated[CustomModel, Tag("custom")],
+    | Annotated[CustomModel, Tag("custom")]
+    | Annotated[HFCausalLMModel, Tag("hf_causal_lm")],
     Discriminator(
         name_tag("tiny_gpt"),
         custom_error_type="invalid_name",
-        custom_error_message="unknown model name; expected one of: tiny_gpt, deep_mlp, rnn, linear, custom",
+        custom_error_message="unknown model name; expected one of: tiny_gpt, deep_mlp, rnn, linear, custom, "
+        "hf_causal_lm",
     ),
 ]
+
+BUILTIN_MODELS = ("tiny_gpt", "deep_mlp", "rnn", "linear")
+"""Models whose ``forward((inputs, targets))`` returns their own loss (they take no ``loss:`` section)."""

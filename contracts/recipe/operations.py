@@ -91,6 +91,20 @@ class Compression(StrEnum):
     powersgd = "powersgd"
 
 
+class LoRA(Section):
+    """Low-rank adapters (LoRA, via the optional ``peft`` package) on the named layers; everything else is frozen."""
+
+    r: StrictInt = Field(default=8, ge=1, le=4096)
+    """Adapter rank."""
+    alpha: StrictFloat = Field(default=16.0, gt=0.0, le=1e6)
+    """Scaling numerator: the adapter's update is multiplied by alpha / r."""
+    dropout: StrictFloat = Field(default=0.0, ge=0.0, lt=1.0)
+    """Dropout on the adapter's input."""
+    target_modules: list[str] = Field(min_length=1, max_length=64)
+    """Names of the layers to adapt (a module whose name is one of these or ends in '.' + one of these), e.g.
+    ``[c_attn]`` for GPT-2; linear, embedding and convolution layers (and GPT-2's Conv1D)."""
+
+
 class Distributed(Section):
     compression: Compression = Compression.none
     """DDP gradient compression comm hook (bf16 needs NCCL)."""
@@ -99,6 +113,8 @@ class Distributed(Section):
     powersgd_start_iter: StrictInt = Field(default=10, ge=1)
     """PowerSGD: steps of vanilla allreduce before compression starts."""
     activation_checkpointing: StrictBool = False
-    """Recompute tiny_gpt block activations in the backward pass."""
+    """Recompute each block's activations in the backward pass (any model whose blocks were found)."""
     freeze_first_n_blocks: StrictInt = Field(default=0, ge=0)
-    """Freeze the first N blocks (tiny_gpt blocks, deep_mlp layers)."""
+    """Freeze the first N blocks (tiny_gpt blocks, deep_mlp layers, a custom model's found blocks)."""
+    lora: LoRA | None = None
+    """Train LoRA adapters only (the base weights frozen); the checkpoint holds the adapted module's state dict."""

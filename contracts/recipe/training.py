@@ -31,6 +31,12 @@ class OptimizerName(StrEnum):
     sgd = "sgd"
 
 
+class NoDecay(StrEnum):
+    bias = "bias"
+    norm = "norm"
+    embedding = "embedding"
+
+
 class Optimizer(Section):
     name: OptimizerName = OptimizerName.adamw
     """Optimizer family."""
@@ -42,6 +48,9 @@ class Optimizer(Section):
     """Adam epsilon."""
     weight_decay: StrictFloat = Field(default=0.0, ge=0.0, le=10.0)
     """Decoupled (AdamW) or L2 (Adam, SGD) weight decay."""
+    no_decay: list[NoDecay] = Field(default_factory=lambda: [NoDecay.bias, NoDecay.norm], max_length=3)
+    """Parameters kept out of weight decay: ``bias`` (every bias), ``norm`` (LayerNorm, RMSNorm, GroupNorm,
+    BatchNorm weights), ``embedding`` (nn.Embedding weights); [] decays everything."""
     momentum: StrictFloat = Field(default=0.9, ge=0.0, lt=1.0)
     """SGD momentum."""
     nesterov: StrictBool = False

@@ -232,8 +232,8 @@ def _ended(last: AttemptRecord, onset: int | None = None) -> str:
     what = last.detector or "anomaly"
     if last.value is not None:
         what += f"={num(last.value)}"
-    where = f" at step {onset}" if onset is not None else ""
-    return f"attempt {last.number} diverged{where} ({what})"
+    where = f"onset at step {onset}, " if onset is not None else ""
+    return f"attempt {last.number} diverged ({where}{what})"
 
 
 # ---------------------------------------------------------------------------------------------- lineage

@@ -68,11 +68,13 @@ def summary(attempt: Attempt) -> str:
     end, n = stored.end, attempt.number
     outcome = stored.verdict or attempt.state
     if outcome == AttemptState.succeeded.value:
-        return f"attempt {n} succeeded at step {end.final_step if end is not None else attempt.last_step}"
+        return f"attempt {n} succeeded after {end.final_step if end is not None else attempt.last_step} steps"
     if outcome == AttemptState.diverged.value:
         what = (end.detector if end is not None else None) or "anomaly"
-        step = None if end is None else (end.onset_step if end.onset_step is not None else end.final_step)
-        return f"attempt {n} diverged at step {step} ({what})"
+        if end is None:
+            return f"attempt {n} diverged ({what})"
+        onset = end.onset_step if end.onset_step is not None else end.final_step
+        return f"attempt {n} diverged: onset at step {onset}, detected at step {end.final_step} ({what})"
     if outcome == AttemptState.crashed.value:
         return f"attempt {n} crashed: {one_line(stored.error)}"
     return f"attempt {n} {outcome}"

@@ -12,7 +12,7 @@ import sqlalchemy as sa
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
-from orchestrator.store.models import AnomalyRow, Attempt, CheckpointRow, Event, MetricPoint
+from orchestrator.store.models import AnomalyRow, Attempt, CheckpointRow, Event, MetricPoint, Run
 from orchestrator.store.paging import PageResult, decode_cursor, encode_cursor
 
 
@@ -28,6 +28,22 @@ def anomaly_counts(*, session: Session, run_ids: Sequence[int]) -> dict[int, dic
     )
     for run_id, kind, n in session.execute(stmt):
         out[run_id][kind] = int(n)
+    return out
+
+
+def current_overrides(*, session: Session, run_ids: Sequence[int]) -> dict[int, dict[str, object]]:
+    """``{run_id: overrides}`` of each run's current attempt (``{}`` before its first), in one query: what the
+    run is doing now differs from its recipe after a tightened or manual retry (e.g. ``training.max_steps``)."""
+    out: dict[int, dict[str, object]] = {rid: {} for rid in run_ids}
+    if not run_ids:
+        return out
+    stmt = (
+        select(Attempt.run_id, Attempt.overrides)
+        .join(Run, sa.and_(Run.id == Attempt.run_id, Run.current_attempt == Attempt.number))
+        .where(Attempt.run_id.in_(list(run_ids)))
+    )
+    for run_id, overrides in session.execute(stmt):
+        out[run_id] = dict(overrides or {})
     return out
 
 

@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import socket
+import threading
+import time
 import warnings
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
+import uvicorn
 from sqlalchemy.orm import Session, sessionmaker
 
 from api.app import create_app
@@ -120,3 +124,37 @@ def seed_attempt(
         run.current_attempt = number
         session.commit()
         return att.id
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@pytest.fixture
+def make_server(
+    db_url: str, session_factory: sessionmaker[Session], tmp_path: Path
+) -> Iterator[Callable[..., str]]:
+    """``make_server(auth=False)`` → base URL of the app served by uvicorn in a thread (scheduler not started)."""
+    servers: list[tuple[uvicorn.Server, threading.Thread]] = []
+
+    def make(auth: bool = False) -> str:
+        settings = settings_for(db_url, tmp_path, auth_mode="token" if auth else "off")
+        port = free_port()
+        server = uvicorn.Server(
+            uvicorn.Config(create_app(settings, session_factory), host="127.0.0.1", port=port, log_level="warning")
+        )
+        thread = threading.Thread(target=server.run, daemon=True)
+        thread.start()
+        deadline = time.monotonic() + 30
+        while not server.started:
+            assert thread.is_alive() and time.monotonic() < deadline, "uvicorn did not start"
+            time.sleep(0.02)
+        servers.append((server, thread))
+        return f"http://127.0.0.1:{port}"
+
+    yield make
+    for server, thread in servers:
+        server.should_exit = True
+        thread.join(timeout=10)

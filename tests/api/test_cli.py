@@ -10,18 +10,16 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
 import sqlalchemy as sa
-import uvicorn
 from sqlalchemy.orm import Session, sessionmaker
 from typer.testing import CliRunner
 
@@ -37,7 +35,7 @@ from orchestrator.settings import Settings, get_settings
 from orchestrator.store import repo
 from orchestrator.store.db import make_engine
 from orchestrator.store.models import AnomalyRow, Attempt, MetricPoint, Run
-from tests.api.conftest import YAML_RECIPE, seed_attempt, settings_for
+from tests.api.conftest import YAML_RECIPE, free_port, seed_attempt, settings_for
 
 BAD_RECIPE = """\
 apiVersion: ballast/v1
@@ -47,40 +45,6 @@ optimizer:
   lr: -1
   bogus: 2
 """
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-@pytest.fixture
-def make_server(
-    db_url: str, session_factory: sessionmaker[Session], tmp_path: Path
-) -> Iterator[Callable[..., str]]:
-    """``make_server(auth=False)`` → base URL of the app served by uvicorn in a thread (scheduler not started)."""
-    servers: list[tuple[uvicorn.Server, threading.Thread]] = []
-
-    def make(auth: bool = False) -> str:
-        settings = settings_for(db_url, tmp_path, auth_mode="token" if auth else "off")
-        port = free_port()
-        server = uvicorn.Server(
-            uvicorn.Config(create_app(settings, session_factory), host="127.0.0.1", port=port, log_level="warning")
-        )
-        thread = threading.Thread(target=server.run, daemon=True)
-        thread.start()
-        deadline = time.monotonic() + 30
-        while not server.started:
-            assert thread.is_alive() and time.monotonic() < deadline, "uvicorn did not start"
-            time.sleep(0.02)
-        servers.append((server, thread))
-        return f"http://127.0.0.1:{port}"
-
-    yield make
-    for server, thread in servers:
-        server.should_exit = True
-        thread.join(timeout=10)
 
 
 @pytest.fixture
@@ -274,7 +238,7 @@ def _seed_telemetry(factory: sessionmaker[Session], run_id: int) -> None:
         for step in range(20):
             loss = float("inf") if step == 15 else 3.0 - step * 0.1
             session.add(MetricPoint(run_id=run_id, attempt_id=att_id, step=step, loss=loss, grad_norm=0.5, lr=1e-3))
-        for seq, (step, kind) in enumerate(((12, "grad_norm_spike"), (15, "non_finite")), start=1):
+        for seq, (step, kind) in enumerate(((12, "grad_norm_spike"), (15, "nonfinite")), start=1):
             session.add(AnomalyRow(
                 run_id=run_id, attempt_id=att_id, seq=seq, step=step, kind=kind, detector=kind, value=9.5,
                 threshold=6.0, action="rollback",
@@ -289,13 +253,15 @@ def test_anomalies_lists_and_filters(url: str, recipe_file: Path, session_factor
     assert res.exit_code == 0, res.output
     page = json.loads(res.stdout)
     assert [(a["step"], a["kind"], a["attempt"]) for a in page["data"]] == [
-        (12, "grad_norm_spike", 1), (15, "non_finite", 1)
+        (12, "grad_norm_spike", 1), (15, "nonfinite", 1)
     ]
-    res = ballast("anomalies", str(run_id), "--url", url, "--json", "--kind", "non_finite")
+    res = ballast("anomalies", str(run_id), "--url", url, "--json", "--kind", "nonfinite")
     assert [a["step"] for a in json.loads(res.stdout)["data"]] == [15]
     res = ballast("anomalies", str(run_id), "--url", url)
     assert res.exit_code == 0, res.output
     assert "grad_norm_spike" in res.stdout and "2 of 2 anomalies" in res.stdout
+    res = ballast("anomalies", str(run_id), "--url", url, "--kind", "bogus")
+    assert res.exit_code == 2 and "kind" in res.output and "loss_spike" in res.output, res.output
 
 
 def test_metrics_series_json_and_sparkline(
@@ -402,7 +368,7 @@ def test_tracker_reports_attempts_anomalies_and_the_recovery_reason_in_order(
         tracker.poll()
         assert lines == [
             "anomaly: attempt 1 step 42: grad_norm_spike value 93.1 > 10, action rollback",
-            "attempt 1 diverged at step 42: grad-norm spike z=9.3 at step 42",
+            "attempt 1 diverged (last step 42): grad-norm spike z=9.3 at step 42",
             "attempt 2 started (numeric_retry, from step 40)",
             f"recovery: {RECOVERY_REASON}",
         ]
@@ -414,7 +380,7 @@ def test_tracker_reports_attempts_anomalies_and_the_recovery_reason_in_order(
         assert tracker.poll()["state"] == "succeeded"
         assert lines == [
             "attempt 2 step 99/100 loss 1.01 grad_norm 0.7 lr 0.0015",
-            "attempt 2 succeeded at step 99",
+            "attempt 2 succeeded (last step 99)",
         ]
         lines.clear()
         tracker.poll()
@@ -446,7 +412,7 @@ def test_submit_watch_follows_a_failing_run_and_exits_1(
     assert res.exit_code == 1, res.output
     out = res.stdout.splitlines()
     assert "attempt 1 started (initial)" in out
-    assert "attempt 1 crashed at step 9: worker died (SIGKILL)" in out
+    assert "attempt 1 crashed (last step 9): worker died (SIGKILL)" in out
     assert out[-1] == "run 1 FAILED (1 attempt, 0 retries): crash restarts exhausted (0 of 0)"
 
 
@@ -650,7 +616,7 @@ def test_serve_and_submit_watch_show_a_run_diverge_recover_and_succeed(ray_clust
     assert first["state"] == "diverged" and second["kind"] == "numeric_retry" and second["reason"]
     assert run["attempts"][-1]["state"] == "succeeded"
     # the divergence, then the recovery reason (exactly as stored), then success
-    ended = f"attempt 1 diverged at step {first['last_step']}"
+    ended = f"attempt 1 diverged (last step {first['last_step']})"
     diverged = out.index(next(line for line in out if line.startswith(ended)))
     recovery = out.index(f"recovery: {second['reason']}")
     assert diverged < recovery < len(out) - 1, diag

@@ -76,7 +76,9 @@ def test_anomalies_filters(client: TestClient, run_with_history: dict[str, int])
     assert steps(attempt=2) == [65]
     assert steps(attempt=1, kind="grad_norm_spike") == [58, 60, 62]
     assert steps(step_min=60, step_max=62) == [60, 61, 62]
-    assert steps(kind="nothing") == []
+    bogus = client.get(url, params={"kind": "nothing"})  # an unknown kind is refused, not an empty page
+    assert bogus.status_code == 422 and bogus.headers["content-type"] == "application/problem+json"
+    assert "kind" in bogus.text and "grad_norm_spike" in bogus.text
     first = client.get(url).json()["data"][0]
     assert first["attempt"] == 1 and first["attempt_id"] == run_with_history["a1"]
     assert first["details"] == {"z": 9.5} and first["action"] == "rollback"

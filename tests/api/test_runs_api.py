@@ -263,6 +263,22 @@ def test_retry_failed_run_resumes_from_newest_healthy_checkpoint(
         assert ev is not None and (ev.from_state, ev.to_state) == ("failed", "queued")
 
 
+def test_summary_max_steps_follows_a_retry_override(client: TestClient, session_factory: sessionmaker[Session]) -> None:
+    """After `runs retry --set training.max_steps=60` the run reports the steps its current attempt trains to, in
+    every view that carries the summary (the recipe says max_steps 100)."""
+    run_id = seed_run(session_factory, state="failed")
+    seed_attempt(session_factory, run_id, 1, state="diverged")
+    assert client.get(f"{RUNS}/{run_id}").json()["summary"]["max_steps"] == 100
+    r = client.post(f"{RUNS}/{run_id}/retry", json={"overrides": {"training.max_steps": 60}})
+    assert r.status_code == 202, r.text
+    assert r.json()["attempt"]["overrides"] == {"training.max_steps": [100, 60]}
+    assert r.json()["run"]["summary"]["max_steps"] == 60
+    assert client.get(f"{RUNS}/{run_id}").json()["summary"]["max_steps"] == 60
+    listed = [x for x in client.get(RUNS).json()["data"] if x["id"] == run_id]
+    assert listed[0]["summary"]["max_steps"] == 60
+    assert client.post(f"{RUNS}/{run_id}/cancel").json()["summary"]["max_steps"] == 60
+
+
 def test_retry_without_body(client: TestClient, session_factory: sessionmaker[Session]) -> None:
     run_id = seed_run(session_factory, state="cancelled")
     r = client.post(f"{RUNS}/{run_id}/retry")

@@ -427,6 +427,46 @@ def test_custom_data_import_string_is_checked_too(tmp_path: Path) -> None:
     assert one_error_line(result, path).startswith("data.factory: module 'evil' is not on the operator's allow-list")
 
 
+# ------------------------------------------------------------------------------- own models, data and loss
+@pytest.mark.parametrize(
+    ("doc", "expected"),
+    [
+        ({"model": {"name": "custom", "factory": "a.m:f"}, "data": {"name": "dataset", "factory": "b:d",
+                                                                     "eval_factory": "c.x:e"}},
+         ["a.m", "b", "c.x"]),
+        ({"loss": {"name": "custom", "function": "l.f:g"}, "data": {"name": "tokens_file", "path": "t.npy"}}, ["l.f"]),
+        ({"model": {"name": "hf_causal_lm"}, "loss": {"name": "cross_entropy"}}, []),
+    ],
+)
+def test_every_import_string_a_recipe_names_is_admitted(doc: dict[str, Any], expected: list[str]) -> None:
+    assert recipe_mod.named_modules(doc) == expected
+
+
+@pytest.mark.parametrize(
+    ("doc", "path", "message"),
+    [
+        ({"loss": {"name": "mse"}}, "loss.name", "model 'tiny_gpt' computes its own loss"),
+        ({"loss": {"name": "custom", "function": "evil:f"}}, "loss.custom.function", "not on the operator's"),
+        ({"loss": {"name": "hinge"}}, "loss.name", "unknown loss 'hinge'"),
+        ({"model": {"name": "hf_causal_lm", "config": {"n_layer": 2}}}, "model.hf_causal_lm", "model_type"),
+        ({"model": {"name": "custom", "factory": "mylab:f", "blocks": "a..b"}}, "model.blocks", "should match pattern"),
+        ({"model": {"name": "hf_causal_lm"}, "data": {"name": "markov"}}, "data.name", "needs data ['tokens_file']"),
+        ({"optimizer": {"no_decay": ["bias", "gamma"]}}, "optimizer.no_decay.1", "Input should be"),
+    ],
+)
+def test_own_model_sections_refuse_what_cannot_work(doc: dict[str, Any], path: str, message: str) -> None:
+    with pytest.raises(RecipeError) as info:
+        validate_recipe_data({"name": "t", **doc}, allowed_import_modules=ALLOWED_MODULES)
+    assert any(e.path == path and message in e.message for e in info.value.errors), info.value.errors
+
+
+def test_user_data_goes_with_built_in_models() -> None:
+    recipe = validate_recipe_data({"name": "t", "model": {"name": "deep_mlp"},
+                                   "data": {"name": "dataset", "factory": "mylab.data:make"}},
+                                  allowed_import_modules=ALLOWED_MODULES)
+    assert recipe.loss.name == "model" and recipe.optimizer.no_decay == ["bias", "norm"]
+
+
 # -------------------------------------------------------------------------------------------- presets
 @pytest.mark.parametrize(
     ("preset", "fraction", "decay", "min_ratio"),
@@ -546,6 +586,10 @@ _OVERRIDES: dict[tuple[type[BaseModel], str], st.SearchStrategy[Any]] = {
     (TinyGPTModel, "d_model"): st.integers(1, 64).map(lambda k: 8 * k),
     (CustomModel, "factory"): st.sampled_from(["mylab:build", "mylab.models.gpt:make"]),
     (recipe_mod.CustomData, "factory"): st.sampled_from(["mylab.data:batches"]),
+    (recipe_mod.DatasetData, "factory"): st.sampled_from(["mylab.data:dataset"]),
+    (recipe_mod.DatasetData, "eval_factory"): st.sampled_from([None, "mylab.data:held_out"]),
+    (recipe_mod.CustomLoss, "function"): st.sampled_from(["mylab.losses:focal"]),
+    (recipe_mod.HFCausalLMModel, "config"): st.just({"model_type": "gpt2", "n_layer": 2}),
 }
 
 
@@ -594,6 +638,7 @@ def _value_strategy(tp: Any, meta: list[Any]) -> st.SearchStrategy[Any]:
 
 def section_strategy(cls: type[BaseModel], exclude: frozenset[str] = frozenset()) -> st.SearchStrategy[dict[str, Any]]:
     """A dict for one schema section: required fields and discriminator tags always, others sometimes."""
+    cls = _unwrap(cls)  # a tagged union member (Annotated[Section, Tag]): the overrides are keyed by the class
     required: dict[str, st.SearchStrategy[Any]] = {}
     optional: dict[str, st.SearchStrategy[Any]] = {}
     for name, info in cls.model_fields.items():
@@ -633,6 +678,8 @@ def _repair(doc: dict[str, Any]) -> dict[str, Any]:
         if sched.get("warmup_steps") is not None:
             sched["warmup_steps"] %= max_steps
     model, data = doc.get("model", {"name": "tiny_gpt"}), doc.get("data", {"name": "markov"})
+    if model["name"] in recipe_mod.BUILTIN_MODELS and doc.get("loss", {}).get("name", "model") != "model":
+        doc["loss"] = {"name": "model"}  # built-in models compute their own loss
     if model["name"] == "tiny_gpt" and data["name"] == "markov":
         data["vocab_size"] = model.get("vocab_size", 64)
         data["seq_len"] = min(data.get("seq_len", 32), model.get("context", 32))

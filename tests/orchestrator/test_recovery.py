@@ -203,7 +203,7 @@ def test_reason_names_the_onset_detector_checkpoint_and_every_change() -> None:
     checkpoints = cps(2, range(0, 900, 200))  # 0, 200, 400, 600, 800
     p = plan(r, [diverged(2, 812, detector="grad_norm_spike", value=9.3)], checkpoints)
     assert p.reason == (
-        "attempt 2 diverged at step 812 (grad_norm_spike=9.3); resumed from step 600; "
+        "attempt 2 diverged (onset at step 812, grad_norm_spike=9.3); resumed from step 600; "
         "lr 0.003→0.0015, clip 1.0→0.5, re-warm 50 steps, skipped data 600–812"
     )
     assert p.rewarm_steps == 50
@@ -233,7 +233,8 @@ def test_everything_at_its_floor_gives_up_with_the_floors_in_the_reason() -> Non
     r = recipe(optimizer={"lr": 1e-6}, clipping={"max_norm": 0.01}, recovery={"min_lr": 1e-6, "min_clip": 0.01})
     out = give_up(r, [diverged(4, 812, detector="loss_spike")], EVERY_100)
     assert out.reason == (
-        "attempt 4 diverged at step 812 (loss_spike); nothing left to tighten (lr at floor 1e-06, clip at floor 0.01)"
+        "attempt 4 diverged (onset at step 812, loss_spike); "
+        "nothing left to tighten (lr at floor 1e-06, clip at floor 0.01)"
     )
 
 
@@ -357,7 +358,7 @@ def test_numeric_budget_exhausted() -> None:
     history = [diverged(1, 100)] + [diverged(n, 100 + n, kind="numeric_retry", start=100) for n in (2, 3, 4)]
     history[-1] = diverged(4, 120, kind="numeric_retry", start=100, detector="loss_spike")
     assert give_up(r, history, EVERY_100).reason == (
-        "attempt 4 diverged at step 120 (loss_spike); numeric retry budget exhausted (3/3)"
+        "attempt 4 diverged (onset at step 120, loss_spike); numeric retry budget exhausted (3/3)"
     )
     # one fewer retry used: still planned
     assert isinstance(decide(r, history[:-1], EVERY_100), RecoveryPlan)

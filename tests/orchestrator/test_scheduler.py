@@ -130,7 +130,7 @@ def test_events_reach_the_store_and_the_run_goes_running(
     ch.succeed(1, 100)
     scheduler.tick()
     run = load(session_factory, run_id)
-    assert run.state == "succeeded" and run.reason == "attempt 1 succeeded at step 100"
+    assert run.state == "succeeded" and run.reason == "attempt 1 succeeded after 100 steps"
     assert run.claimed_by is None and ch.killed and scheduler.active_runs == []
     assert [a.state for a in attempts(session_factory, run_id)] == ["succeeded"]
 
@@ -166,7 +166,7 @@ def test_in_place_recovery_answers_the_workers_with_the_next_attempt(
     assert (second.kind, second.state, second.resume_step) == ("numeric_retry", "running", 20)
     assert second.overrides == {"optimizer.lr": [0.002, 0.001]}
     assert second.plan["in_place"] is True and second.ray_info["channel"] == ch.name
-    assert "attempt 1 diverged at step 25" in (second.reason or "")
+    assert "attempt 1 diverged (onset at step 25" in (second.reason or "")
     run = load(session_factory, run_id)
     assert (run.state, run.current_attempt, run.retries_used) == ("running", 2, 1)
     assert len(launcher.launches) == 1  # no new worker group

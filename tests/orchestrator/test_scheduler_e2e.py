@@ -124,7 +124,7 @@ def test_a_diverging_run_rolls_back_to_a_healthy_checkpoint_and_succeeds(
     assert (second.kind, second.state, second.resume_step) == ("numeric_retry", "succeeded", resume)
     assert second.overrides == {"optimizer.lr": [lr, lr * recipe.recovery.lr_factor]}  # halved
     assert second.plan["in_place"] is True and second.plan["rewarm_steps"] == recipe.recovery.rewarm_steps
-    assert second.reason is not None and f"attempt 1 diverged at step {fault.step}" in second.reason
+    assert second.reason is not None and f"attempt 1 diverged (onset at step {fault.step}" in second.reason
     assert f"resumed from step {resume}" in second.reason and "lr 0.003→0.0015" in second.reason
     with transaction(factory) as s:
         parent = s.get(CheckpointRow, second.parent_checkpoint_id)
@@ -176,7 +176,7 @@ def test_a_run_that_keeps_diverging_fails_with_the_reason(
     with transaction(factory) as s:
         run = s.get(Run, run_id)
         assert run is not None and run.state == "failed"
-        assert run.reason is not None and "attempt 2 diverged at step 32" in run.reason
+        assert run.reason is not None and "attempt 2 diverged (onset at step 32" in run.reason
         assert "numeric retry budget exhausted (1/1)" in run.reason
     assert [(a.state, a.onset_step) for a in attempts_of(factory, run_id)] == [("diverged", 25), ("diverged", 32)]
 

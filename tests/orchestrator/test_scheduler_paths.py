@@ -178,7 +178,7 @@ def test_adopting_a_run_whose_attempt_succeeded_finishes_it(
                  outcome={"outcome": "succeeded", "final_step": 100, "onset_step": None})
     make_scheduler().tick()
     run = load(session_factory, run_id)
-    assert (run.state, run.reason, run.claimed_by) == ("succeeded", "attempt 1 succeeded at step 100", None)
+    assert (run.state, run.reason, run.claimed_by) == ("succeeded", "attempt 1 succeeded after 100 steps", None)
 
 
 def test_adopting_a_recovering_run_whose_attempt_was_cancelled_cancels_it(

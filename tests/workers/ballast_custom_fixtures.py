@@ -41,6 +41,25 @@ def make_blockless_model() -> nn.Module:
     return nn.Linear(3, 1)
 
 
+class BadBlocks(TinyCustom):
+    """Breaks the blocks contract: ``blocks`` names a module that is not part of the model."""
+
+    def __init__(self) -> None:
+        super().__init__(3, 8)
+        layers = self.blocks
+        del self.blocks
+        self.layers = layers
+        self.blocks = [layers[0], nn.Linear(8, 1)]  # a plain list: not registered
+
+    def forward(self, batch: tuple[Tensor, Tensor]) -> Tensor:
+        x, y = batch
+        return F.mse_loss(self.layers[1](torch.tanh(self.layers[0](x))), y)
+
+
+def make_bad_blocks_model() -> nn.Module:
+    return BadBlocks()
+
+
 def make_not_a_module() -> dict[str, int]:
     return {"a": 1}
 
@@ -55,3 +74,64 @@ def make_batch(index: int, batch_size: int, seed: int, dim: int = 3) -> tuple[Te
 def make_bad_batch(index: int, batch_size: int, seed: int) -> Tensor:
     """Breaks the data contract: one tensor instead of (inputs, targets)."""
     return torch.zeros(batch_size, 3)
+
+
+# ------------------------------------------------------------------------ plain models, datasets and losses
+class DictFeatures(torch.utils.data.Dataset):  # type: ignore[type-arg]
+    """Dict items: {"x": float features, "labels": class index}."""
+
+    def __init__(self, n: int = 64, dim: int = 3) -> None:
+        g = torch.Generator().manual_seed(5)
+        self.x = torch.randn(n, dim, generator=g)
+        self.y = (self.x.sum(1) > 0).long()
+
+    def __len__(self) -> int:
+        return len(self.x)
+
+    def __getitem__(self, i: int) -> dict[str, Tensor]:
+        return {"x": self.x[i], "labels": self.y[i]}
+
+
+class KeywordClassifier(nn.Module):
+    """forward(x, labels=None) -> logits: called as model(**batch) with a dict batch."""
+
+    def __init__(self, dim: int = 3) -> None:
+        super().__init__()
+        self.net = nn.Linear(dim, 2)
+
+    def forward(self, x: Tensor, labels: Tensor | None = None) -> Tensor:
+        out: Tensor = self.net(x)
+        return out
+
+
+def make_dict_dataset(n: int = 64, dim: int = 3) -> DictFeatures:
+    return DictFeatures(n, dim)
+
+
+def make_keyword_classifier(dim: int = 3) -> nn.Module:
+    return KeywordClassifier(dim)
+
+
+def make_triples(n: int = 16) -> torch.utils.data.TensorDataset:
+    """Breaks the dataset contract: items are 3-tuples."""
+    return torch.utils.data.TensorDataset(torch.zeros(n, 3), torch.zeros(n, 1), torch.zeros(n, 1))
+
+
+def make_regression_dataset(n: int = 128, dim: int = 3) -> torch.utils.data.TensorDataset:
+    g = torch.Generator().manual_seed(11)
+    x = torch.randn(n, dim, generator=g)
+    return torch.utils.data.TensorDataset(x, x.sum(1, keepdim=True))
+
+
+def make_mlp(dim: int = 3) -> nn.Module:
+    """A plain nn.Sequential regression model: forward(x) -> predictions (no ModuleList: no blocks found)."""
+    return nn.Sequential(nn.Linear(dim, 8), nn.Tanh(), nn.Linear(8, 1))
+
+
+def l1_loss(outputs: Tensor, targets: Tensor) -> Tensor:
+    return (outputs - targets).abs().mean()
+
+
+def per_sample_loss(outputs: Tensor, targets: Tensor) -> Tensor:
+    """Breaks the loss contract: not a scalar."""
+    return (outputs - targets).abs()

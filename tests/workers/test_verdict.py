@@ -4,11 +4,14 @@ from __future__ import annotations
 
 import pytest
 
-from contracts.recipe import Success
+from contracts.recipe import Action, Success
+from contracts.wire import ANOMALY_KINDS
+from workers.detectors import Finding
 from workers.verdict import (
     DEGRADED,
     NEVER_LEARNED,
     VANISHING,
+    VERDICT_KINDS,
     Evidence,
     early_check_step,
     final_loss,
@@ -86,3 +89,15 @@ def test_zero_turns_the_progress_rules_off() -> None:
     assert judge_end(off, ev(4.7, best=4.2)).kind == DEGRADED  # regression is still judged
     assert judge_end(off, ev(4.3, best=4.2)).healthy
     assert judge_progress(off, smoothed_loss=4.5, ev=ev(None), step=75).healthy
+
+
+def test_every_verdict_kind_is_a_known_anomaly_kind() -> None:
+    """The verdict is recorded as an anomaly; the API's ``?kind=`` filter accepts only contracts' kinds."""
+    assert set(VERDICT_KINDS) <= set(ANOMALY_KINDS)
+
+
+def test_a_finding_of_an_unknown_kind_is_refused_when_made() -> None:
+    with pytest.raises(ValueError, match="ANOMALY_KINDS"):
+        Finding(step=1, kind="made_up", detector="x", value=1.0, threshold=0.5, action=Action.rollback)
+    assert Finding(step=1, kind="loss_spike", detector="loss", value=1.0, threshold=0.5,
+                   action=Action.rollback).kind == "loss_spike"

@@ -12,7 +12,7 @@ from pydantic import BaseModel
 from contracts.recipe import (
     Action,
 )
-from contracts.wire import finite_or_none
+from contracts.wire import ANOMALY_KINDS, finite_or_none
 
 STATE_VERSION = 1
 LOSS_STD_FLOOR = 1e-3
@@ -76,6 +76,10 @@ class Finding:
     action: Action
     details: dict[str, Any] = field(default_factory=dict)
     rank: int = 0
+
+    def __post_init__(self) -> None:
+        if self.kind not in ANOMALY_KINDS:
+            raise ValueError(f"anomaly kind {self.kind!r} is not in contracts.wire.ANOMALY_KINDS")
 
     def to_event(self) -> dict[str, Any]:
         """The ``anomaly`` event payload (see ``contracts/wire.py``); values are finite floats or None."""

@@ -1,4 +1,4 @@
-"""Built-in synthetic data: seeded, download-free, and addressable by batch index.
+"""Built-in synthetic data: seeded, download-free, with known loss floors.
 
 Every batch is generated from its own ``torch.Generator`` whose seed is a hash of (data spec, training seed, rank,
 stream, index). No iterator state exists, so a resumed attempt, a rollback or a skipped data window replays exactly
@@ -10,166 +10,21 @@ Batch shapes (CPU tensors; the engine moves them to its device):
 - ``regression`` (kind ``features``): inputs ``(B, dim)`` float32, targets ``(B, 1)`` float32 (with
   ``fixed_design``: rows of one fixed design matrix, so the loss Hessian and its λmax are known).
 - ``sequence`` (kind ``sequence``): inputs and targets ``(B, seq_len, dim)`` float32.
-- ``custom``: whatever the factory returns; dimensions are read off its first batch.
 """
 
 from __future__ import annotations
 
-import hashlib
-import importlib
-import json
 import math
-import re
-from abc import ABC, abstractmethod
-from collections.abc import Callable, Sequence
-from typing import Any, Literal, Protocol
 
 import torch
 from torch import Tensor
 
-from contracts.recipe import CustomData, DataSpec, MarkovData, RegressionData, SequenceData, SequenceTask
+from contracts.recipe import MarkovData, RegressionData, SequenceData, SequenceTask
+from workers.data.base import DataKind, DataSource, SpecError, stream_seed
 
-DataKind = Literal["tokens", "features", "sequence"]
-
-_IMPORT_RE = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")
 # Largest Markov sampling table (vocab × resolution entries); bounds memory at 32 MiB of int64.
 _MAX_TABLE_ENTRIES = 1 << 22
 _MAX_POWER_ITERATIONS = 20_000
-
-
-class SpecError(ValueError):
-    """A model or data spec that cannot be built; the message starts with the offending field's path."""
-
-
-class DataDims(Protocol):
-    """What a model needs to know about its data (``build_model`` reads only these)."""
-
-    @property
-    def kind(self) -> DataKind: ...
-
-    @property
-    def input_dim(self) -> int | None: ...
-
-    @property
-    def output_dim(self) -> int | None: ...
-
-    @property
-    def vocab_size(self) -> int | None: ...
-
-    @property
-    def seq_len(self) -> int | None: ...
-
-
-# --------------------------------------------------------------------------------------------- import policy
-def module_allowed(module: str, allowed_import_modules: Sequence[str]) -> bool:
-    """The recipe's rule: the module equals an allowed prefix or lies below it (``a`` allows ``a.b``)."""
-    return any(module == a or module.startswith(a + ".") for a in allowed_import_modules)
-
-
-def resolve_import(ref: str, allowed_import_modules: Sequence[str], *, field: str) -> Callable[..., Any]:
-    """Import ``module:function`` after re-checking the allow-list (never trust that validation ran earlier).
-
-    The allow-list is checked *before* importing, because importing a module runs its code.
-    """
-    if not _IMPORT_RE.match(ref):
-        raise SpecError(f"{field}: {ref!r} is not a 'module:function' import string")
-    module_name, func_name = ref.split(":", 1)
-    allowed = list(allowed_import_modules)
-    if not module_allowed(module_name, allowed):
-        raise SpecError(
-            f"{field}: module {module_name!r} is not on the operator's allow-list "
-            f"(BALLAST_ALLOWED_IMPORT_MODULES: {allowed})"
-        )
-    try:
-        module = importlib.import_module(module_name)
-    except Exception as exc:  # any failure inside user code becomes a clear spec error
-        raise SpecError(f"{field}: cannot import module {module_name!r}: {type(exc).__name__}: {exc}") from exc
-    func = getattr(module, func_name, None)
-    if func is None:
-        raise SpecError(f"{field}: module {module_name!r} has no attribute {func_name!r}")
-    if not callable(func):
-        raise SpecError(f"{field}: {ref!r} is not callable")
-    return func  # type: ignore[no-any-return]
-
-
-# ------------------------------------------------------------------------------------------------ seeding
-def stream_seed(*parts: object) -> int:
-    """A 63-bit seed from a hash of ``parts`` (stable across processes, unlike ``hash()``)."""
-    text = "|".join(str(p) for p in parts).encode()
-    return int.from_bytes(hashlib.blake2b(text, digest_size=8).digest(), "little") >> 1
-
-
-# Fields added to a data section after its batches were first defined: left out of the stream key while they
-# hold their default, so every batch of a recipe that does not use them stays bit-identical.
-_KEY_NEUTRAL_DEFAULTS: dict[type, dict[str, Any]] = {RegressionData: {"fixed_design": False, "num_samples": 256}}
-
-
-def _spec_key(spec: Any) -> str:
-    dumped = spec.model_dump(mode="json")
-    for name, default in _KEY_NEUTRAL_DEFAULTS.get(type(spec), {}).items():
-        if dumped.get(name) == default:
-            dumped.pop(name, None)
-    return json.dumps(dumped, sort_keys=True, separators=(",", ":"))
-
-
-# ---------------------------------------------------------------------------------------------- the source
-class DataSource(ABC):
-    """One rank's view of a data set: ``batch(index)`` for training, ``eval_batch(index)`` held out.
-
-    ``index`` is a micro-batch counter chosen by the engine (it must be a pure function of the step, e.g.
-    ``(step + data_offset) * grad_accum_steps + micro``); the same index always gives the same batch.
-    """
-
-    kind: DataKind
-    input_dim: int | None = None
-    """Feature size per sample (features) or per position (sequence); None for tokens."""
-    output_dim: int | None = None
-    """Target size per sample/position; None for tokens."""
-    vocab_size: int | None = None
-    """Token vocabulary (tokens only)."""
-    seq_len: int | None = None
-    """Positions per sample (tokens, sequence)."""
-    entropy_floor: float | None = None
-    """Markov data: the exact conditional entropy of the source (nats/token), the lowest achievable CE."""
-    loss_floor: float | None = None
-    """The lowest achievable loss of a perfect model in the model's loss units (CE or MSE), when known."""
-
-    def __init__(self, spec: Any, *, seed: int, batch_size: int, rank: int, world_size: int) -> None:
-        if batch_size < 1:
-            raise SpecError(f"training.batch_size: must be >= 1, got {batch_size}")
-        if world_size < 1:
-            raise SpecError(f"resources.num_workers: world_size must be >= 1, got {world_size}")
-        if not 0 <= rank < world_size:
-            raise SpecError(f"rank {rank} is outside [0, world_size={world_size})")
-        self.spec = spec
-        self.seed = seed
-        self.batch_size = batch_size
-        self.rank = rank
-        self.world_size = world_size
-        self._key = _spec_key(spec)
-
-    def _generator(self, stream: str, index: int) -> torch.Generator:
-        if index < 0:
-            raise ValueError(f"batch index must be >= 0, got {index}")
-        return torch.Generator().manual_seed(stream_seed(self._key, self.seed, self.rank, stream, index))
-
-    def batch(self, index: int) -> tuple[Tensor, Tensor]:
-        """Training batch ``index`` of this rank: (inputs, targets)."""
-        return self._make(self._generator("train", index), index, "train")
-
-    def eval_batch(self, index: int) -> tuple[Tensor, Tensor]:
-        """Held-out batch ``index`` of this rank, from a seed space disjoint from training batches."""
-        return self._make(self._generator("eval", index), index, "eval")
-
-    @property
-    def tokens_per_batch(self) -> int | None:
-        """Predicted tokens per batch (tokens data), for tokens/s telemetry."""
-        if self.kind == "tokens" and self.seq_len is not None:
-            return self.batch_size * self.seq_len
-        return None
-
-    @abstractmethod
-    def _make(self, gen: torch.Generator, index: int, stream: str) -> tuple[Tensor, Tensor]: ...
 
 
 # ------------------------------------------------------------------------------------------------- markov
@@ -384,81 +239,3 @@ class SequenceSource(DataSource):
             y = torch.zeros_like(x)
             y[:, self.delay :] = x[:, : -self.delay]
         return x, y
-
-
-# ------------------------------------------------------------------------------------------------- custom
-class CustomSource(DataSource):
-    """User data: ``factory(index, batch_size, seed, **params) -> (inputs, targets)``.
-
-    ``seed`` passed to the factory is already mixed with the rank and the stream (train/eval), so a factory that
-    seeds its own generator from it is deterministic per (seed, rank, index) and eval batches are disjoint.
-    Dimensions are read off training batch 0: integer inputs → tokens, 2-D float → features, 3-D float → sequence.
-    """
-
-    def __init__(
-        self,
-        spec: CustomData,
-        *,
-        seed: int,
-        batch_size: int,
-        rank: int,
-        world_size: int,
-        allowed_import_modules: Sequence[str],
-    ) -> None:
-        super().__init__(spec, seed=seed, batch_size=batch_size, rank=rank, world_size=world_size)
-        self._factory = resolve_import(spec.factory, allowed_import_modules, field="data.factory")
-        self._params = dict(spec.params)
-        inputs, targets = self.batch(0)
-        if not inputs.is_floating_point():
-            self.kind = "tokens"
-            self.seq_len = int(inputs.shape[1]) if inputs.ndim >= 2 else None
-        else:
-            if inputs.ndim not in (2, 3):
-                raise SpecError(f"data.factory: float inputs must be 2-D or 3-D, got shape {tuple(inputs.shape)}")
-            self.kind = "features" if inputs.ndim == 2 else "sequence"
-            self.input_dim = int(inputs.shape[-1])
-            self.output_dim = int(targets.shape[-1]) if targets.ndim == inputs.ndim else 1
-            self.seq_len = int(inputs.shape[1]) if inputs.ndim == 3 else None
-
-    def _make(self, gen: torch.Generator, index: int, stream: str) -> tuple[Tensor, Tensor]:
-        seed = stream_seed(self._key, self.seed, self.rank, stream, "custom")
-        try:
-            out = self._factory(index, self.batch_size, seed, **self._params)
-        except Exception as exc:
-            raise SpecError(f"data.factory: {self.spec.factory} raised {type(exc).__name__}: {exc}") from exc
-        if (
-            not isinstance(out, tuple | list)
-            or len(out) != 2
-            or not all(isinstance(t, Tensor) for t in out)
-        ):
-            raise SpecError("data.factory: must return a pair of tensors (inputs, targets)")
-        inputs, targets = out
-        if inputs.ndim == 0 or targets.ndim == 0 or inputs.shape[0] != targets.shape[0]:
-            raise SpecError(
-                f"data.factory: inputs and targets need the same leading batch dimension, got "
-                f"{tuple(inputs.shape)} and {tuple(targets.shape)}"
-            )
-        return inputs, targets
-
-
-# -------------------------------------------------------------------------------------------------- build
-def build_data(
-    spec: DataSpec,
-    *,
-    seed: int,
-    batch_size: int,
-    rank: int = 0,
-    world_size: int = 1,
-    allowed_import_modules: Sequence[str] = (),
-) -> DataSource:
-    """The recipe's ``data`` section → this rank's ``DataSource`` (``seed`` is ``training.seed``)."""
-    kw: dict[str, Any] = {"seed": seed, "batch_size": batch_size, "rank": rank, "world_size": world_size}
-    if isinstance(spec, MarkovData):
-        return MarkovSource(spec, **kw)
-    if isinstance(spec, RegressionData):
-        return RegressionSource(spec, **kw)
-    if isinstance(spec, SequenceData):
-        return SequenceSource(spec, **kw)
-    if isinstance(spec, CustomData):
-        return CustomSource(spec, allowed_import_modules=allowed_import_modules, **kw)
-    raise SpecError(f"data.name: unknown data spec {type(spec).__name__}")

@@ -1,38 +1,27 @@
-"""Built-in models (and user models from allow-listed import strings) behind one small contract.
+"""The built-in models: tiny_gpt, deep_mlp, rnn, linear.
 
-Every model ``m`` returned by :func:`build_model`:
-
-- ``m(batch)`` with ``batch = (inputs, targets)`` returns the **scalar mean loss** (float32, 0-dim), so the engine
-  never needs to know which loss a model uses;
-- has ``m.blocks`` (an ``nn.ModuleList`` or list of submodules) in input → output order. Freezing, activation
-  checkpointing and the per-layer depth profile work on blocks. Built-in models register them as
-  ``blocks.{i}.*`` parameters; :func:`param_block_index` maps any model's parameter names to block indices.
-
-Built-in models also subclass :class:`BallastModel`, which adds ``set_activation_checkpointing``.
+Each ``m(batch)`` with ``batch = (inputs, targets)`` returns the **scalar mean loss** (float32, 0-dim) and has
+``m.blocks`` (an ``nn.ModuleList``) in input → output order, registered as ``blocks.{i}.*`` parameters.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
-from torch.utils.checkpoint import checkpoint
 
 from contracts.recipe import (
     Activation,
-    CustomModel,
     DeepMLPModel,
     LinearModel,
-    ModelSpec,
     NormPosition,
     RecurrentCell,
     RecurrentModel,
     TinyGPTModel,
 )
-from workers.data import DataDims, SpecError, resolve_import
+from workers.models.blocks import set_activation_checkpointing
 
 Batch = tuple[Tensor, Tensor]
 
@@ -41,28 +30,14 @@ class BallastModel(nn.Module):
     """Base of the built-in models: ``forward(batch) -> scalar loss`` and ``blocks`` in input → output order."""
 
     blocks: nn.ModuleList
-    supports_activation_checkpointing = False
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.activation_checkpointing = False
 
     def set_activation_checkpointing(self, enabled: bool) -> None:
         """Recompute each block's activations in the backward pass (memory for compute; same gradients)."""
-        if enabled and not self.supports_activation_checkpointing:
-            raise SpecError(
-                f"distributed.activation_checkpointing: not supported by model {type(self).__name__} "
-                "(tiny_gpt and deep_mlp support it)"
-            )
-        self.activation_checkpointing = enabled
+        set_activation_checkpointing(self, enabled)
 
     def _run_blocks(self, x: Tensor) -> Tensor:
-        use_ckpt = self.activation_checkpointing and self.training and torch.is_grad_enabled()
         for block in self.blocks:
-            if use_ckpt:
-                x = checkpoint(block, x, use_reentrant=False)
-            else:
-                x = block(x)
+            x = block(x)
         return x
 
 
@@ -115,8 +90,6 @@ class TinyGPT(BallastModel):
     computed in float32 even under autocast. ``last_metrics`` holds the detached CE and z-loss terms of the
     latest forward (the CE is what compares with the data's entropy floor).
     """
-
-    supports_activation_checkpointing = True
 
     def __init__(self, spec: TinyGPTModel) -> None:
         super().__init__()
@@ -189,8 +162,6 @@ class DeepMLP(BallastModel):
     activation's Kaiming gain); stem and head use plain fan-in N(0, 1/fan_in); biases are zero.
     """
 
-    supports_activation_checkpointing = True
-
     def __init__(self, spec: DeepMLPModel, input_dim: int, output_dim: int) -> None:
         super().__init__()
         self.stem = nn.Linear(input_dim, spec.width)
@@ -258,10 +229,7 @@ class RecurrentNet(BallastModel):
 
     def forward(self, batch: Batch) -> Tensor:
         inputs, targets = batch
-        x = inputs
-        for block in self.blocks:
-            x = block(x)
-        return F.mse_loss(x.float(), targets.float())
+        return F.mse_loss(self._run_blocks(inputs).float(), targets.float())
 
 
 # ---------------------------------------------------------------------------------------------------- linear
@@ -279,150 +247,3 @@ class LinearRegression(BallastModel):
     def forward(self, batch: Batch) -> Tensor:
         inputs, targets = batch
         return F.mse_loss(self.blocks[0](inputs).float(), targets.float())
-
-
-# ----------------------------------------------------------------------------------------------------- build
-def _need_dims(spec_name: str, data: DataDims | None, kind: str) -> tuple[int, int]:
-    if data is None:
-        raise SpecError(f"model.name: {spec_name} needs the data's dimensions (pass data= to build_model)")
-    if data.kind != kind or data.input_dim is None or data.output_dim is None:
-        raise SpecError(f"data.name: model {spec_name!r} needs {kind} data, got {data.kind} data")
-    return data.input_dim, data.output_dim
-
-
-def _build(spec: ModelSpec, data: DataDims | None, allowed_import_modules: Sequence[str]) -> nn.Module:
-    if isinstance(spec, TinyGPTModel):
-        if data is not None:
-            if data.kind != "tokens":
-                raise SpecError(f"data.name: model 'tiny_gpt' needs token data, got {data.kind} data")
-            if data.vocab_size is not None and data.vocab_size != spec.vocab_size:
-                raise SpecError(f"data.vocab_size: must equal model.vocab_size ({spec.vocab_size}), "
-                                f"got {data.vocab_size}")
-            if data.seq_len is not None and data.seq_len > spec.context:
-                raise SpecError(f"data.seq_len: {data.seq_len} exceeds model.context ({spec.context})")
-        return TinyGPT(spec)
-    if isinstance(spec, DeepMLPModel):
-        return DeepMLP(spec, *_need_dims("deep_mlp", data, "features"))
-    if isinstance(spec, LinearModel):
-        return LinearRegression(spec, *_need_dims("linear", data, "features"))
-    if isinstance(spec, RecurrentModel):
-        return RecurrentNet(spec, *_need_dims("rnn", data, "sequence"))
-    if isinstance(spec, CustomModel):
-        factory = resolve_import(spec.factory, allowed_import_modules, field="model.factory")
-        try:
-            model = factory(**spec.params)
-        except Exception as exc:
-            raise SpecError(f"model.factory: {spec.factory} raised {type(exc).__name__}: {exc}") from exc
-        return model  # type: ignore[no-any-return]
-    raise SpecError(f"model.name: unknown model spec {type(spec).__name__}")
-
-
-def validate_model(model: object, *, field: str = "model.factory", probe: Batch | None = None) -> nn.Module:
-    """Check the model contract (clear SpecError otherwise): an nn.Module with non-empty ``blocks`` that are its
-    own submodules, and, given a probe batch, a forward returning a finite-dtype scalar tensor.
-
-    The probe runs in eval mode under ``no_grad`` with the RNG forked, so it changes no state.
-    """
-    if not isinstance(model, nn.Module):
-        raise SpecError(f"{field}: must return a torch.nn.Module, got {type(model).__name__}")
-    blocks = getattr(model, "blocks", None)
-    if not isinstance(blocks, nn.ModuleList | list | tuple) or len(blocks) == 0:
-        raise SpecError(f"{field}: the model must have a non-empty `blocks` list of modules (input → output order)")
-    own = {id(m) for m in model.modules()}
-    for i, block in enumerate(blocks):
-        if not isinstance(block, nn.Module) or id(block) not in own:
-            raise SpecError(f"{field}: blocks[{i}] must be a submodule of the model")
-    if probe is not None:
-        was_training = model.training
-        model.eval()
-        try:
-            with torch.no_grad(), torch.random.fork_rng(devices=[]):
-                out = model(probe)
-        except Exception as exc:
-            raise SpecError(
-                f"{field}: forward((inputs, targets)) failed on a data batch: {type(exc).__name__}: {exc}"
-            ) from exc
-        finally:
-            model.train(was_training)
-        if not isinstance(out, Tensor) or out.numel() != 1 or out.ndim != 0 or not out.is_floating_point():
-            desc = f"tensor {out.dtype} {tuple(out.shape)}" if isinstance(out, Tensor) else type(out).__name__
-            raise SpecError(f"{field}: forward(batch) must return the scalar mean loss (0-dim float), got {desc}")
-    return model
-
-
-def build_model(
-    spec: ModelSpec,
-    data: DataDims | None = None,
-    *,
-    seed: int | None = None,
-    allowed_import_modules: Sequence[str] = (),
-) -> nn.Module:
-    """The recipe's ``model`` section → a model that honours the contract in this module's docstring.
-
-    ``data`` (a ``DataSource``) supplies input/output sizes; it is required for deep_mlp, linear and rnn, checked
-    against tiny_gpt (vocab, context), and used to probe a custom model's forward on ``data.batch(0)``.
-    With ``seed``, initialisation draws from that seed under a forked RNG (the global RNG is left untouched);
-    without it, from the global RNG. ``allowed_import_modules`` is re-checked here for custom factories.
-    """
-    if seed is not None:
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(seed)
-            model = _build(spec, data, allowed_import_modules)
-    else:
-        model = _build(spec, data, allowed_import_modules)
-    if isinstance(spec, CustomModel):
-        probe: Batch | None = None
-        batch_fn = getattr(data, "batch", None)
-        if callable(batch_fn):
-            probe = batch_fn(0)
-        validate_model(model, probe=probe)
-    return model
-
-
-# ------------------------------------------------------------------------------------------------ utilities
-def model_blocks(model: nn.Module) -> list[nn.Module]:
-    """``model.blocks`` as a list, looking through a DDP wrapper (``.module``)."""
-    inner = getattr(model, "module", model) if not hasattr(model, "blocks") else model
-    blocks = getattr(inner, "blocks", None)
-    if blocks is None:
-        raise SpecError(f"model: {type(inner).__name__} has no `blocks`")
-    return list(blocks)
-
-
-def set_activation_checkpointing(model: nn.Module, enabled: bool) -> None:
-    """Turn activation checkpointing on or off; a clear error for models that cannot (rnn, linear, custom)."""
-    inner = getattr(model, "module", model) if not isinstance(model, BallastModel) else model
-    if isinstance(inner, BallastModel):
-        inner.set_activation_checkpointing(enabled)
-    elif enabled:
-        raise SpecError(
-            f"distributed.activation_checkpointing: not supported by model {type(inner).__name__} "
-            "(tiny_gpt and deep_mlp support it)"
-        )
-
-
-def freeze_first_n_blocks(model: nn.Module, n: int) -> list[str]:
-    """Set ``requires_grad=False`` on every parameter of ``blocks[:n]`` and return their names.
-
-    Only blocks are frozen: embeddings, stems and heads stay trainable. Call it before wrapping in DDP (DDP
-    registers only parameters that require grad) and before building the optimizer, which should receive only
-    trainable parameters (a frozen parameter then never moves, even with weight decay).
-    """
-    blocks = model_blocks(model)
-    if n < 0 or n > len(blocks):
-        raise SpecError(f"distributed.freeze_first_n_blocks: {n} is outside [0, {len(blocks)}] (the model's blocks)")
-    frozen_ids = set()
-    for block in blocks[:n]:
-        for p in block.parameters():
-            p.requires_grad_(False)
-            frozen_ids.add(id(p))
-    return [name for name, p in model.named_parameters() if id(p) in frozen_ids]
-
-
-def param_block_index(model: nn.Module) -> dict[str, int]:
-    """Parameter name → index of the block that owns it; parameters outside every block are left out."""
-    owner: dict[int, int] = {}
-    for i, block in enumerate(model_blocks(model)):
-        for p in block.parameters():
-            owner.setdefault(id(p), i)
-    return {name: owner[id(p)] for name, p in model.named_parameters() if id(p) in owner}

@@ -1,0 +1,115 @@
+"""`ballast train` recovers locally the way the service does: the same pure policy (``decide``) over the attempts
+of this process, until an attempt succeeds or the policy gives up; the JSON summary names every attempt."""
+
+from __future__ import annotations
+
+import json
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+from typer.testing import CliRunner
+
+import api.cli  # noqa: F401  (registers the commands)
+from api.cli.app import app
+from tests.recipes import recipe_doc
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]  # whole (small) training runs in this process
+
+FAULT_STEP = 30
+SPIKY: dict[str, Any] = {
+    "apiVersion": "ballast/v1", "kind": "StabilityRecipe", "name": "spiky",
+    "model": {"name": "tiny_gpt", "n_layers": 1, "d_model": 32},
+    "data": {"name": "markov"},
+    "training": {"max_steps": 60, "batch_size": 8, "seed": 0},
+    "optimizer": {"name": "sgd", "lr": 0.1, "momentum": 0.9},
+    "schedule": {"warmup_steps": 5, "decay": "cosine"},
+    "clipping": {"method": "none"},
+    "detectors": {"grad_norm_spike": {"action": "record"}},
+    "checkpoint": {"every_steps": 10},
+    "recovery": {"rewarm_steps": 5},
+    # every gradient ×1e4 at step 30 of attempt 1 only: unclipped momentum SGD explodes, attempt 2 is spared
+    "faults": [{"type": "grad_scale", "step": FAULT_STEP, "factor": 10000.0, "attempt": 1}],
+}
+spiky = partial(recipe_doc, SPIKY)
+
+
+def write(tmp_path: Path, doc: dict[str, Any]) -> Path:
+    path = tmp_path / "recipe.yaml"
+    path.write_text(yaml.safe_dump(doc, sort_keys=False))
+    return path
+
+
+def train(*args: str | Path) -> Any:
+    return CliRunner().invoke(app, ["train", *(str(a) for a in args)])
+
+
+def test_a_divergence_is_retried_from_a_healthy_checkpoint_with_tightened_settings(tmp_path: Path) -> None:
+    res = train(write(tmp_path, spiky()), "--checkpoint-dir", tmp_path / "ckpt", "--json")
+    assert res.exit_code == 0, res.output
+    out = json.loads(res.stdout)
+    assert out["outcome"] == "succeeded" and out["exit_code"] == 0 and out["gave_up"] is None
+    first, second = out["attempts"][0], out["attempts"][1]
+    assert len(out["attempts"]) >= 2
+
+    assert first["kind"] == "initial" and first["outcome"] == "diverged"
+    assert FAULT_STEP <= first["onset_step"] <= FAULT_STEP + 5
+    assert first["decision"] and "resumed from step" in first["decision"]
+    healthy_before = [c["step"] for c in first["checkpoints"] if c["healthy"] and c["step"] <= first["onset_step"]]
+
+    assert second["kind"] == "numeric_retry" and second["outcome"] == "succeeded"
+    parent = second["resumed_from"]
+    assert parent["attempt"] == 1 and parent["healthy"] and parent["step"] in healthy_before
+    assert parent["step"] <= first["onset_step"] and second["start_step"] == parent["step"]
+    assert Path(parent["uri"]).parent == tmp_path / "ckpt" / "attempt-1"
+    # tightened: a cumulative diff against the recipe, and the plan's re-warm
+    assert second["overrides"], second
+    for path, (old, new) in second["overrides"].items():
+        assert old != new, path
+    if "optimizer.lr" in second["overrides"]:
+        assert second["overrides"]["optimizer.lr"][1] < 0.1
+    assert second["rewarm_steps"] == 5 and second["reason"] == first["decision"]
+
+    # the top level is the last attempt: it ran from the checkpoint's step to the end, once per step
+    assert out["final_step"] == 60 and out["start_step"] == parent["step"]
+    assert len(out["losses"]) == 60 - parent["step"]
+    assert all(c["path"].startswith(str(tmp_path / "ckpt" / "attempt-2")) for c in out["checkpoints"])
+
+
+def test_the_text_output_says_what_each_attempt_did(tmp_path: Path) -> None:
+    res = train(write(tmp_path, spiky()))
+    assert res.exit_code == 0, res.output
+    lines = res.stdout.splitlines()
+    assert any(ln.startswith("attempt 1 diverged at step ") for ln in lines), res.stdout
+    started = next(ln for ln in lines if ln.startswith("attempt 2 (numeric_retry) from the step-"))
+    assert "checkpoint of attempt 1 with " in started and "→" in started and "re-warm 5 steps" in started
+    assert any(ln.startswith("  → attempt 1 diverged") for ln in lines)
+    assert any(ln.startswith("succeeded after 60 steps, 2 attempts") for ln in lines), res.stdout
+
+
+def test_when_the_policy_gives_up_the_exit_code_is_1(tmp_path: Path) -> None:
+    res = train(write(tmp_path, spiky(recovery={"max_retries": 0})), "--json")
+    assert res.exit_code == 1, res.output
+    out = json.loads(res.stdout)
+    assert out["outcome"] == "diverged" and out["exit_code"] == 1
+    assert [a["outcome"] for a in out["attempts"]] == ["diverged"]
+    assert "numeric retry budget exhausted (0/0)" in out["gave_up"]
+    assert out["attempts"][0]["decision"] == out["gave_up"]
+
+    text = train(write(tmp_path, spiky(recovery={"max_retries": 0})))
+    assert text.exit_code == 1 and "gave up: " in text.stdout
+
+
+def test_a_crash_restarts_from_the_newest_checkpoint_that_verifies(tmp_path: Path) -> None:
+    doc = spiky(optimizer={"name": "adamw", "lr": 0.003}, training={"max_steps": 40},
+                faults=[{"type": "corrupt_checkpoint", "step": 20, "attempt": 1}])
+    res = train(write(tmp_path, doc), "--checkpoint-dir", tmp_path / "ckpt", "--json")
+    assert res.exit_code == 0, res.output
+    first, second = json.loads(res.stdout)["attempts"]
+    assert first["outcome"] == "crashed" and "corrupted checkpoint" in first["error"]
+    # the step-20 checkpoint was damaged: the policy's first choice fails verification, so step 10 it is
+    assert [c["step"] for c in first["checkpoints"] if not c["valid"]] == [20]
+    assert second["kind"] == "crash_restart" and second["resumed_from"]["step"] == 10
+    assert second["overrides"] == {} and second["outcome"] == "succeeded"
