@@ -14,7 +14,7 @@ from sqlalchemy.orm import Session, sessionmaker
 from api.client import BallastClient
 from orchestrator.scheduler import Scheduler
 from orchestrator.settings import Settings
-from tests.api.test_cli import ballast, make_server  # noqa: F401 - make_server is a fixture
+from tests.api.test_cli import ballast
 from tests.recipes import recipe_doc
 
 pytestmark = [pytest.mark.ray]
@@ -22,7 +22,7 @@ pytestmark = [pytest.mark.ray]
 
 def test_runs_show_says_that_a_run_needs_more_than_the_whole_cluster(
     ray_cluster: Any, db_url: str, session_factory: sessionmaker[Session], tmp_path: Path,
-    make_server: Callable[..., str],  # noqa: F811
+    make_server: Callable[..., str],
 ) -> None:
     url = make_server()
     doc = recipe_doc({"name": "too-big"}, resources={"num_workers": 4096})
