@@ -9,6 +9,7 @@ keep."""
 from __future__ import annotations
 
 import logging
+import time
 
 import sqlalchemy as sa
 from sqlalchemy.orm import Session
@@ -112,9 +113,11 @@ def _unended(ctx: Context, s: Session, run: Run, latest: Attempt,
     name = (latest.ray_info or {}).get("channel")
     handle = ctx.launcher.attach(str(name)) if name else None
     if handle is not None:
+        running = latest.state == AttemptState.running.value
+        # a running attempt's step deadline counts from the reattachment (a group hung meanwhile emits nothing)
         return Execution(run_id=run.id, name=str(name), handle=handle, attempt=latest.number,
-                         demand_cpus=cpu_demand(ctx.recipe(run)),
-                         started=latest.state == AttemptState.running.value), None
+                         demand_cpus=cpu_demand(ctx.recipe(run)), started=running,
+                         progress_at=time.monotonic() if running else None), None
     doomed += reconcile_storage(ctx, s, run)
     ran = s.scalar(sa.select(sa.func.count()).select_from(CheckpointRow)
                    .where(CheckpointRow.attempt_id == latest.id)) or 0

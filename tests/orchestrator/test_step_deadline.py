@@ -15,7 +15,7 @@ from sqlalchemy.orm import Session, sessionmaker
 import orchestrator.scheduler.service as service_mod
 from contracts.recipe import RecipeError, validate_recipe_data
 from orchestrator.channel import collective_timeout_s, step_timeout_of
-from tests.orchestrator.fakes import FakeLauncher, attempts, load, recipe_doc, submit
+from tests.orchestrator.fakes import FakeLauncher, attempts, load, orphan, recipe_doc, submit
 
 
 class Clock:
@@ -89,3 +89,28 @@ def test_the_deadline_is_validated_and_sets_the_collective_timeout() -> None:
     assert collective_timeout_s(10) == 70 and collective_timeout_s(600) == 1200
     spec = {"spec": {"recipe": {"resources": {"step_timeout_s": 42.0}}}}
     assert step_timeout_of(spec) == 42.0 and step_timeout_of({"spec": {}}) == 600.0
+
+
+def test_a_group_that_hung_while_the_scheduler_was_away_is_judged_from_the_reattachment(
+    session_factory: sessionmaker[Session], make_scheduler: Any, launcher: FakeLauncher, clock: Clock,
+    monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import orchestrator.scheduler.adoption as adoption_mod
+
+    monkeypatch.setattr(adoption_mod, "time", clock)
+    run_id = submit(session_factory, recipe_doc(resources={"step_timeout_s": 30}))
+    first = make_scheduler("sched-a")
+    first.tick()
+    ch = launcher.of_run(run_id)[0]
+    ch.metrics(1, range(3))
+    first.tick()  # running; then its scheduler died, and the group stopped making progress
+    assert attempts(session_factory, run_id)[0].state == "running"
+    orphan(session_factory, run_id)
+    successor = make_scheduler("sched-b")
+    successor.tick()  # reattached: no event ever comes again
+    clock.advance(29)
+    successor.tick()
+    assert attempts(session_factory, run_id)[0].state == "running"
+    clock.advance(2)
+    successor.tick()
+    assert attempts(session_factory, run_id)[0].state == "crashed" and ch.killed
