@@ -140,6 +140,7 @@ def test_a_sigkilled_control_plane_resumes_from_the_newest_checkpoint_on_storage
     newest = max(on_storage)
     gap = sorted(set(on_storage) - known)  # on storage, not in the store: their events died with the channel
     assert newest < 300
+    print(f"at the kill: newest valid on storage {newest}, store knew {sorted(known)}, gap {gap}")  # for -s / -rA
 
     second = _start(home, port, log, poll_s="0.5")
     try:
