@@ -248,7 +248,9 @@ class CheckpointRead(_Read):
 
 
 # -------------------------------------------------------------------------------------------------- metrics
-MetricName = Literal["loss", "grad_norm", "grad_norm_clipped", "lr", "loss_scale", "throughput"]
+MetricName = Literal["loss", "grad_norm", "grad_norm_clipped", "lr", "loss_scale", "throughput", "eval_loss"]
+"""``eval_loss`` (with ``training.eval_interval``) is sparse, and its steps count completed steps (the weights after
+that many updates, like a checkpoint's step) where the others' are the 0-based index of the step."""
 
 
 class MetricSeries(BaseModel):

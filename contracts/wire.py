@@ -12,6 +12,9 @@ Event types and their ``data``:
 - ``layer_stats``: step, layer_grad_norms {name: float}, update_ratio (float), diagnosis (str | None)
 - ``anomaly``: step, rank, kind, detector, value, threshold, action, details {...}
 - ``checkpoint``: step, uri, sha256, healthy (bool), verdict {...}, metrics {...}
+- ``eval``: step (completed steps, like a checkpoint's: the weights after that many updates), eval_loss (mean over
+  ``training.eval_batches`` held-out batches on every rank; None when not finite), batches (in that mean). Sparse:
+  every ``training.eval_interval`` steps, at the attempt's start and at its end.
 - ``end``: :class:`EndEvent`
 
 Torch-free and Ray-free: the orchestrator builds ``AttemptSpec``s and reads ``EndEvent``s without importing the
@@ -25,13 +28,14 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from contracts.export import ExportTargets
 from contracts.recipe import Recipe, recipe_to_dict, validate_recipe_data
 
-EVENT_TYPES = frozenset({"metric", "layer_stats", "anomaly", "checkpoint", "end"})
+EVENT_TYPES = frozenset({"metric", "layer_stats", "anomaly", "checkpoint", "eval", "end"})
 ANOMALY_KINDS = (
     "nonfinite", "loss_scale_collapse", "grad_norm_spike", "loss_spike", "divergence", "oscillation", "stagnation",
     "vanishing_gradients", "skip_escalation",  # the step detectors (workers/detectors)
-    "vanishing", "never_learned", "degraded", "above_bar",  # the outcome verdict (workers/verdict.py)
+    "vanishing", "never_learned", "degraded", "above_bar", "eval_degraded",  # the outcome verdict (workers/verdict.py)
 )
 """Every ``kind`` an ``anomaly`` event can carry. A ``Finding`` of any other kind is refused when it is made, so
 a new kind must be added here, where the API's ``?kind=`` filter learns it."""
@@ -120,6 +124,8 @@ class AttemptSpec:
     run_id: int | None = None
     allowed_import_modules: list[str] = field(default_factory=list)
     """The operator's allow-list for custom ``module:function`` models and data (re-checked on the worker)."""
+    export: ExportTargets | None = None
+    """Where ``telemetry.export`` writes (the server's settings); None: the worker's own ``BALLAST_*`` env."""
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -131,6 +137,7 @@ class AttemptSpec:
             "data_offset": self.data_offset,
             "run_id": self.run_id,
             "allowed_import_modules": list(self.allowed_import_modules),
+            "export": None if self.export is None else self.export.to_dict(),
         }
 
     @classmethod
@@ -148,6 +155,7 @@ class AttemptSpec:
             data_offset=int(data.get("data_offset", 0)),
             run_id=data.get("run_id"),
             allowed_import_modules=allowed,
+            export=ExportTargets.from_dict(data["export"]) if data.get("export") else None,
         )
 
     def __post_init__(self) -> None:
@@ -197,6 +205,8 @@ class AttemptOutcome:
     """Median pre-clip grad norm over healthy applied steps (input for clip_to_median_multiple)."""
     loss_scale_collapsed: bool = False
     loss_scales: list[float | None] = field(default_factory=list)
+    evals: list[dict[str, Any]] = field(default_factory=list)
+    """Every ``eval`` event's payload of the attempt (empty without ``training.eval_interval``)."""
     previous: list[AttemptOutcome] = field(default_factory=list)
     """Earlier attempts run in place in the same worker group (in-place recovery), oldest first."""
 

@@ -12,6 +12,8 @@ from typing import Annotated, Any
 from pydantic import Field, SecretStr, ValidationError, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
+from contracts.export import ExportTargets, export_targets
+
 
 class AuthMode(StrEnum):
     off = "off"
@@ -58,6 +60,19 @@ class Settings(BaseSettings):
         description="Module prefixes a recipe may name in `module:function` import strings (empty: none). "
         "Comma-separated (`mylab,team.models`) or a JSON list.",
     )
+    telemetry_export_dir: str = Field(
+        default="",
+        description="Root of the TensorBoard export (`telemetry.export: [tensorboard]`): each run writes "
+        "`run-<id>/attempt-<n>/` under it. Empty means `<home>/tensorboard`. Multi-node: a shared filesystem.",
+    )
+    mlflow_tracking_uri: str = Field(
+        default="",
+        description="MLflow tracking URI for `telemetry.export: [mlflow]`. Empty: `MLFLOW_TRACKING_URI` if set, "
+        "else a SQLite store `<home>/mlflow/mlflow.db`.",
+    )
+    mlflow_experiment: str = Field(
+        default="ballast", description="MLflow experiment of exported runs (a recipe may name another)."
+    )
     cluster_autoscales: bool = Field(
         default=False,
         description="A run that needs more CPUs/GPUs than the whole Ray cluster has: `false` fails it at once with "
@@ -93,9 +108,16 @@ class Settings(BaseSettings):
             self.database_url = f"sqlite:///{(self.home / 'ballast.db').as_posix()}"
         if not self.checkpoint_root:
             self.checkpoint_root = str((self.home / "checkpoints").resolve())
+        if not self.telemetry_export_dir:
+            self.telemetry_export_dir = str((self.home / "tensorboard").resolve())
         if self.ray_address is None:
             self.ray_address = os.environ.get("RAY_ADDRESS") or None
         return self
+
+    def export_targets(self) -> ExportTargets:
+        """Where attempts of this server write their tracker export (sent in each ``AttemptSpec``)."""
+        return export_targets(home=self.home, tensorboard_dir=self.telemetry_export_dir,
+                              mlflow_tracking_uri=self.mlflow_tracking_uri, mlflow_experiment=self.mlflow_experiment)
 
     @property
     def is_loopback(self) -> bool:

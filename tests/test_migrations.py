@@ -23,6 +23,7 @@ from orchestrator.store.models import (
     Attempt,
     Base,
     CheckpointRow,
+    EvalPoint,
     Event,
     MetricPoint,
     RecipeRow,
@@ -85,6 +86,7 @@ def _fill_every_table(url: str, tag: str) -> dict[str, int]:
             s.add(AnomalyRow(run_id=run.id, attempt_id=first.id, seq=1, step=60, kind="loss_spike",
                              detector="loss_spike", value=9.0, threshold=6.0, action="rollback"))
             s.add(MetricPoint(run_id=run.id, attempt_id=first.id, step=60, loss=2.4, grad_norm=1.5, lr=1e-3))
+            s.add(EvalPoint(run_id=run.id, attempt_id=first.id, step=60, eval_loss=2.6))
             s.add(Event(run_id=run.id, attempt_id=second.id, entity="attempt", from_state="pending",
                         to_state="running"))
         with engine.connect() as conn:

@@ -4,10 +4,12 @@
 decides what is in them and where they go:
 
 - ``TrainingState``: the stateful parts of one rank's trainer. A checkpoint holds the model, optimizer, loss
-  scaler, detectors and clipper (rank 0's, identical on every rank), each rank's RNG and comm-hook state, and the
+  scaler, detectors, clipper and eval history (rank 0's, identical on every rank; the eval history only with
+  ``training.eval_interval``), each rank's RNG and comm-hook state, and the
   progress (step, data offset, attempt, world size, the pending update ratio).
 - ``health_verdict``: the label every checkpoint carries (finite weights, no anomaly since the previous one, the
-  loss within the loss detector's bounds).
+  loss within the loss detector's bounds, no regression of the smoothed loss nor, when an eval loss was measured
+  at the checkpoint's step, of the eval loss).
 - ``Checkpointer``: rank 0 writes to the attempt's directory in a plain process, or to a scratch directory that it
   hands to ``ray.train.report`` under Ray Train (every rank reports, so all report the same number of times);
   then the ``checkpoint`` event, the corrupt-checkpoint fault and, in a plain process, retention.
@@ -17,6 +19,7 @@ decides what is in them and where they go:
 from __future__ import annotations
 
 import contextlib
+import math
 import shutil
 import tempfile
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -34,10 +37,12 @@ from workers.clipping import Clipper
 from workers.comm import load_powersgd_state, powersgd_state_dict
 from workers.context import WorkerContext, barrier, gather_objects
 from workers.detectors import DetectorSuite, LossSummary
+from workers.evaluation import EvalHistory
 from workers.faults import FaultInjector
 from workers.optim import apply_hyperparameters, load_optimizer_state
 from workers.precision import LossScaler
 from workers.sinks import EventSink
+from workers.verdict import EvalEvidence, eval_regression_limit
 
 
 @dataclass(frozen=True)
@@ -55,6 +60,8 @@ class TrainingState:
     clipper: Clipper
     comm_state: Any = None
     """PowerSGD's state when that comm hook is on, else None."""
+    evals: EvalHistory | None = None
+    """The lineage's eval history when ``training.eval_interval`` is on, else None (and not in the checkpoint)."""
 
     def rank_part(self) -> dict[str, Any]:
         """What differs between ranks (RNG streams, PowerSGD's error feedback): gathered so each resumes its own."""
@@ -63,7 +70,7 @@ class TrainingState:
 
     def state_dict(self, per_rank: Sequence[Mapping[str, Any]], progress: dict[str, Any]) -> dict[str, Any]:
         """The checkpoint's parts (rank 0), with every rank's ``rank_part`` in rank order."""
-        return {
+        out = {
             "model": self.module.state_dict(),
             "optimizer": self.optimizer.state_dict(),
             "scaler": self.scaler.state_dict(),
@@ -73,6 +80,9 @@ class TrainingState:
             "rng": [r["rng"] for r in per_rank],
             "progress": progress,
         }
+        if self.evals is not None:
+            out["evals"] = self.evals.state_dict()
+        return out
 
     def load_state_dict(self, saved: Mapping[str, Any], *, hyperparameters: Mapping[str, Any], rank: int,
                         world_size: int, device: torch.device) -> float | None:
@@ -88,6 +98,8 @@ class TrainingState:
         self.scaler.load_state_dict(saved["scaler"])
         self.detectors.load_state_dict(saved["detectors"])
         self.clipper.load_state_dict(saved["clipper"])
+        if self.evals is not None and saved.get("evals"):  # a checkpoint written without eval has none
+            self.evals.load_state_dict(saved["evals"])
         same_world = saved["progress"].get("world_size") == world_size
         comm = saved.get("comm_hook") or []
         if self.comm_state is not None and same_world and comm and comm[rank]:
@@ -100,12 +112,17 @@ class TrainingState:
 
 
 def health_verdict(module: nn.Module, *, loss: float, loss_in_bounds: bool, anomalies: int,
-                   summary: LossSummary, regression_tolerance: float) -> tuple[bool, dict[str, Any]]:
+                   summary: LossSummary, regression_tolerance: float, evals: EvalEvidence | None = None,
+                   eval_regression_tolerance: float | None = None) -> tuple[bool, dict[str, Any]]:
     """(healthy, verdict): healthy when the weights are finite, the loss is within the loss detector's bounds and
     the smoothed loss has not regressed: at most ``regression_tolerance`` (plus one batch-noise deviation) above the
     best the lineage reached, so a rollback never lands on a checkpoint that had already drifted up. Anomalies
     since the previous checkpoint are recorded but do not decide: an unresolved one ends the attempt before any
-    checkpoint, and a skipped step or a record-only finding leaves the state as healthy as it was."""
+    checkpoint, and a skipped step or a record-only finding leaves the state as healthy as it was.
+
+    ``evals`` (the eval series, passed only when its newest eval measured these very weights) adds the held-out
+    test: the eval loss must be finite and at most ``eval_regression_tolerance`` above the lineage's best eval loss
+    (``workers/verdict.py``'s rule; None: not judged). Without it the verdict's keys and value are unchanged."""
     weights = [p.detach() for p in module.parameters()]
     weights_finite = bool(torch.isfinite(torch.stack(torch._foreach_norm(weights))).all()) if weights else True
     limit = None if summary.best is None else (1.0 + regression_tolerance) * summary.best + summary.noise_std
@@ -119,7 +136,15 @@ def health_verdict(module: nn.Module, *, loss: float, loss_in_bounds: bool, anom
         "best_smoothed_loss": finite_or_none(summary.best),
         "regressed": regressed,
     }
-    return weights_finite and loss_in_bounds and not regressed, verdict
+    eval_regressed = False
+    if evals is not None:
+        limit = None if eval_regression_tolerance is None else eval_regression_limit(evals.best,
+                                                                                     eval_regression_tolerance)
+        eval_regressed = eval_regression_tolerance is not None and (
+            not math.isfinite(evals.final) or (limit is not None and evals.final > limit))
+        verdict |= {"eval_loss": finite_or_none(evals.final), "best_eval_loss": finite_or_none(evals.best),
+                    "eval_regressed": eval_regressed}
+    return weights_finite and loss_in_bounds and not regressed and not eval_regressed, verdict
 
 
 class Checkpointer:
@@ -169,8 +194,7 @@ class Checkpointer:
         if self.sink is not None:
             self.sink.emit("checkpoint", {"step": step, "uri": uri, "sha256": info.sha256, "healthy": healthy,
                                           "verdict": meta["verdict"],
-                                          "metrics": {"loss": finite_or_none(loss),
-                                                      "smoothed_loss": meta["verdict"].get("smoothed_loss")}})
+                                          "metrics": self._metrics(loss, meta["verdict"])})
             self.sink.flush()
         if ctx.ray_train:
             self._report_to_ray(step, name, info.path, healthy, loss)
@@ -182,6 +206,14 @@ class Checkpointer:
             apply_retention(self.spec.checkpoint_dir, self.spec.recipe.checkpoint.keep,
                             self.spec.recipe.checkpoint.keep_healthy)
         return saved
+
+    @staticmethod
+    def _metrics(loss: float, verdict: Mapping[str, Any]) -> dict[str, Any]:
+        """The checkpoint event's metrics: the loss, the smoothed loss and, when measured here, the eval loss."""
+        out = {"loss": finite_or_none(loss), "smoothed_loss": verdict.get("smoothed_loss")}
+        if "eval_loss" in verdict:
+            out["eval_loss"] = verdict["eval_loss"]
+        return out
 
     def _report_to_ray(self, step: int, name: str, path: Path | None, healthy: bool, loss: float) -> None:
         """``ray.train.report`` with the checkpoint (rank 0) or without (the others): every rank must report."""

@@ -21,6 +21,7 @@ from workers.checkpointing import materialize
 from workers.comm import EngineConfigError
 from workers.context import WorkerContext, broadcast_object, plain_context
 from workers.sinks import EventSink
+from workers.trackers import TrackerExport
 from workers.trainer import GuardedTrainer
 
 
@@ -64,10 +65,12 @@ def run_attempts(spec: AttemptSpec, ctx: WorkerContext, sink: EventSink | None, 
     threads_before = torch.get_num_threads()
     torch.set_num_threads(compute_threads(spec))
     history: list[AttemptOutcome] = []
+    export = TrackerExport.open(spec, ctx)  # telemetry.export: TensorBoard / MLflow, rank 0 only
     try:
         while True:
+            attempt_sink = sink if export is None else export.tee(sink, spec, resume)
             with materialize(resume) as resume_dir:
-                trainer = GuardedTrainer(spec, ctx, sink, resume_dir=resume_dir)
+                trainer = GuardedTrainer(spec, ctx, attempt_sink, resume_dir=resume_dir)
             result = trainer.train()
             plan = None
             if result.outcome == "diverged" and spec.recipe.recovery.in_place:
@@ -79,6 +82,8 @@ def run_attempts(spec: AttemptSpec, ctx: WorkerContext, sink: EventSink | None, 
             spec = next_spec(spec, plan)
             resume = spec.resume_from
     finally:
+        if export is not None:
+            export.close()
         torch.use_deterministic_algorithms(deterministic_before)
         torch.set_num_threads(threads_before)
 

@@ -12,6 +12,11 @@ Read it top to bottom: ``GuardedTrainer.train()`` → ``train_step()``. Each ste
    decision is ``record``; ``skip_step`` and non-finite steps zero the grads; ``rollback`` ends the attempt;
 6. telemetry through the sink (rank 0 only; never blocks), checkpoints every ``checkpoint.every_steps``.
 
+With ``training.eval_interval`` the loop also evaluates the held-out loss (``_evaluate``) at the attempt's start,
+every that-many completed steps and after the last one (before that step's checkpoint, which records it, and the
+outcome verdict, which reads it), and where an attempt that ends early ends. An eval touches neither the weights,
+the training RNG nor the data stream, so the training trajectory is bit-identical with and without it.
+
 The components it calls live in their own modules: clipping, precision, schedule, detectors, faults, comm hooks
 (``comm``), checkpoint contents (``checkpointing``). ``workers/entry.py`` runs it in a process or on Ray Train.
 """
@@ -28,8 +33,8 @@ import torch
 from torch import Tensor, nn
 
 from contracts.recipe import Action, DType, LossScaling
-from contracts.wire import AttemptOutcome, AttemptSpec, SavedCheckpoint
-from workers.checkpoint import load_checkpoint
+from contracts.wire import AttemptOutcome, AttemptSpec, SavedCheckpoint, finite_or_none
+from workers.checkpoint import load_checkpoint, rng_state, set_rng_state
 from workers.checkpointing import Checkpointer, TrainingState, health_verdict
 from workers.clipping import (
     Clipper,
@@ -41,9 +46,10 @@ from workers.clipping import (
     update_ratio,
 )
 from workers.comm import check_backend, no_sync, prime_ddp_buckets, wrap_ddp
-from workers.context import WorkerContext
+from workers.context import WorkerContext, gather_rows
 from workers.data import DataSource, build_data, to_device
 from workers.detectors import Decision, DetectorSuite, Finding, StepSignals
+from workers.evaluation import EvalHistory, eval_due
 from workers.faults import FaultInjector
 from workers.models import build_model, freeze_first_n_blocks, param_block_index, set_activation_checkpointing
 from workers.models.lora import apply_lora
@@ -54,7 +60,7 @@ from workers.schedule import lr_at
 from workers.signals import GatheredStep, RankSignals, combine, gather
 from workers.sinks import EventSink
 from workers.telemetry import layer_stats_payload, metric_payload
-from workers.verdict import Evidence, Verdict, early_check_step, final_loss, judge_end, judge_progress
+from workers.verdict import EvalEvidence, Evidence, Verdict, early_check_step, final_loss, judge_end, judge_progress
 
 
 def _num(x: float | None) -> str:
@@ -123,8 +129,9 @@ class GuardedTrainer:
         self.fp16_dynamic = r.precision.dtype is DType.fp16 and r.precision.loss_scaling is LossScaling.dynamic
         self.detectors = DetectorSuite(r.detectors, fp16=self.fp16_dynamic)
         self.faults = FaultInjector(r.faults, attempt=spec.attempt, rank=ctx.rank)
+        self.evals = EvalHistory() if r.training.eval_interval > 0 else None
         self.state = TrainingState(self.module, self.optimizer, self.scaler, self.detectors, self.clipper,
-                                   self.comm_state)
+                                   self.comm_state, self.evals)
         self.checkpointer = Checkpointer(spec, ctx, self.sink, self.faults)
 
         self._pending_update_ratio: Tensor | None = None
@@ -147,6 +154,7 @@ class GuardedTrainer:
         max_steps = self.recipe.training.max_steps
         every = self.recipe.checkpoint.every_steps
         res = self.result
+        self._evaluate_unless_done(self.start_step)
         for step in range(self.start_step, max_steps):
             report = self.train_step(step)
             if report.decision.rollback:
@@ -156,6 +164,9 @@ class GuardedTrainer:
             if report.stop:
                 res.outcome, res.reason = "cancelled", f"stop requested; ended after step {step}"
                 break
+            if self.evals is not None and (eval_due(res.final_step, self.recipe.training.eval_interval)
+                                           or res.final_step == max_steps):
+                self._evaluate(res.final_step)  # the last step too: its checkpoint and the verdict read it
             if step == self._early_check and not self._judged(self._early_verdict(step)):
                 break
             if res.final_step % every == 0 or res.final_step == max_steps:
@@ -165,6 +176,7 @@ class GuardedTrainer:
             verdict = judge_end(self.recipe.success, self._evidence())
             if self._judged(verdict):
                 res.reason = f"completed {max_steps} steps; {verdict.reason}"
+        self._evaluate_unless_done(res.final_step)  # an attempt that ended early: where it ended
         res.median_grad_norm = statistics.median(self._healthy_norms) if self._healthy_norms else None
         if self.sink is not None:
             self.sink.emit("end", res.end_event())
@@ -307,6 +319,42 @@ class GuardedTrainer:
             res.reason = (f"{first.kind} detected at step {report.step}, onset at step {res.onset_step}: value "
                           f"{_num(first.value)} vs threshold {_num(first.threshold)}; rolled back")
 
+    # ------------------------------------------------------------------------------------- evaluation
+    def _evaluate_unless_done(self, step: int) -> None:
+        """Evaluate the weights after ``step`` completed steps, unless eval is off or they were just evaluated."""
+        if self.evals is not None and self.evals.last_step != step:
+            self._evaluate(step)
+
+    def _evaluate(self, step: int) -> float:
+        """The held-out loss of the weights after ``step`` completed steps: the mean over ``training.eval_batches``
+        held-out batches (``data.eval_batch(i)``, the same ones every time) on every rank, averaged over the ranks
+        with one all-gather (a collective: every rank calls it at the same steps, so every rank holds the same
+        number and makes the same verdict). Forward only, under ``no_grad`` and in eval mode, with the training
+        autocast; the RNG state is restored after (eval draws neither training randomness nor training batches)."""
+        r = self.recipe
+        batches = r.training.eval_batches
+        modes = [(m, m.training) for m in self.model.modules()]  # the DDP wrapper too
+        saved_rng = rng_state()
+        loss_sum = torch.zeros((), dtype=torch.float32, device=self.device)
+        try:
+            self.model.eval()
+            with torch.no_grad():
+                for i in range(batches):
+                    loss_sum += self.objective.loss(self.data.eval_batch(i), self.model).detach().float()
+        finally:
+            for m, training in modes:
+                m.training = training
+            set_rng_state(saved_rng)
+        rows = gather_rows((loss_sum / batches).reshape(1), self.ctx)
+        value = sum(row[0] for row in rows) / len(rows)
+        assert self.evals is not None
+        self.evals.observe(step, value)
+        payload = {"step": step, "eval_loss": finite_or_none(value), "batches": batches * self.ctx.world_size}
+        self.result.evals.append(payload)
+        if self.sink is not None:
+            self.sink.emit("eval", payload)
+        return value
+
     # --------------------------------------------------------------------------------------- verdict
     def _evidence(self) -> Evidence:
         summary = self.detectors.loss_summary()
@@ -316,6 +364,7 @@ class GuardedTrainer:
             loss_floor=self.data.loss_floor, noise_std=summary.noise_std,
             vanishing=any(f["kind"] == "vanishing_gradients" for f in self.result.findings),
             start_step=self.start_step,
+            eval=None if self.evals is None else self.evals.evidence(),
         )
 
     def _early_verdict(self, step: int) -> Verdict:
@@ -349,12 +398,19 @@ class GuardedTrainer:
         healthy, verdict = health_verdict(self.module, loss=self._last_loss,
                                           loss_in_bounds=self.detectors.loss_in_bounds(self._last_loss),
                                           anomalies=self._findings_since_checkpoint, summary=summary,
-                                          regression_tolerance=self.recipe.success.regression_tolerance)
+                                          regression_tolerance=self.recipe.success.regression_tolerance,
+                                          evals=self._fresh_evals(step),
+                                          eval_regression_tolerance=self.recipe.success.eval_regression_tolerance)
         self._findings_since_checkpoint = 0
         pending = self._pending_update_ratio
         return self.checkpointer.save(step, self.state, healthy=healthy, verdict=verdict, loss=self._last_loss,
                                       pending_update_ratio=None if pending is None else float(pending),
                                       on_saved=self.result.checkpoints.append)
+
+    def _fresh_evals(self, step: int) -> EvalEvidence | None:
+        """The eval series for the checkpoint's verdict, only when its newest eval measured these weights."""
+        ev = None if self.evals is None else self.evals.evidence()
+        return ev if ev is not None and ev.final_step == step else None
 
     # ------------------------------------------------------------------------------------------ setup
     def _build_model(self) -> nn.Module:

@@ -10,6 +10,14 @@ time (the recipe's ``success`` section holds the tolerances):
   early check (``early_check_step``), so a run that never learns is stopped after a quarter of its steps.
 - **degraded**: the final loss is more than ``regression_tolerance`` above the best smoothed loss the lineage
   reached; the onset is just after the best step, so the rollback goes back to the best checkpoint.
+- **eval degraded / never learned (held out)**, only when the attempt measured an eval loss
+  (``training.eval_interval``) and ``eval_regression_tolerance`` is set: the training loss can look fine while the
+  held-out loss says otherwise. The final eval loss must be finite and at most ``eval_regression_tolerance`` above
+  the lineage's best eval loss (**eval_degraded**; the onset is the step after the best eval, so the rollback goes
+  back to a checkpoint at or before it); and it must be below the lineage's first eval loss, measured before any
+  update (**never_learned**: nothing that generalises was learned). The eval batches are the same every time, so
+  unlike the per-step loss there is no batch noise to allow for. The held-out loss is only asked to improve at all,
+  not to cover ``min_progress``: the generalisation gap is the data's and the model's, not a stability matter.
 - **above the bar**: the final loss is above the user's ``max_final_loss``.
 
 The clean initial loss is the lower of the first finite loss of the lineage (measured before any update, so no
@@ -29,7 +37,8 @@ VANISHING = "vanishing"
 NEVER_LEARNED = "never_learned"
 DEGRADED = "degraded"
 ABOVE_BAR = "above_bar"
-VERDICT_KINDS = (VANISHING, NEVER_LEARNED, DEGRADED, ABOVE_BAR)
+EVAL_DEGRADED = "eval_degraded"
+VERDICT_KINDS = (VANISHING, NEVER_LEARNED, DEGRADED, EVAL_DEGRADED, ABOVE_BAR)
 
 
 @dataclass(frozen=True)
@@ -45,6 +54,20 @@ class Verdict:
     @property
     def healthy(self) -> bool:
         return self.kind is None
+
+
+@dataclass(frozen=True)
+class EvalEvidence:
+    """What the lineage's held-out (eval) losses showed; steps are completed steps (a checkpoint's numbering)."""
+
+    initial: float | None
+    """The eval loss before any update (step 0 of the lineage); None when unknown."""
+    best: float | None
+    """The lowest finite eval loss of the lineage, and its step."""
+    best_step: int | None
+    final: float
+    """The newest eval loss (NaN when it was not finite)."""
+    final_step: int
 
 
 @dataclass(frozen=True)
@@ -66,6 +89,8 @@ class Evidence:
     vanishing: bool = False
     """The vanishing detector fired in this attempt."""
     start_step: int = 0
+    eval: EvalEvidence | None = None
+    """The eval series, when the attempt measured one (None: the verdict reads the training loss only)."""
 
 
 def final_loss(losses: Sequence[float], window: int) -> float | None:
@@ -149,9 +174,43 @@ def judge_end(cfg: Success, ev: Evidence) -> Verdict:
             f"{_fmt(ev.best_loss)} (step {ev.best_step}); allowed up to {_fmt(limit)}",
             value=final, threshold=limit, onset_step=onset,
         )
+    if ev.eval is not None and cfg.eval_regression_tolerance is not None:
+        held_out = judge_eval(ev.eval, tolerance=cfg.eval_regression_tolerance, start_step=ev.start_step)
+        if not held_out.healthy:
+            return held_out
     if cfg.max_final_loss is not None and final > cfg.max_final_loss:
         return Verdict(
             ABOVE_BAR, f"the final loss {_fmt(final)} is above success.max_final_loss {_fmt(cfg.max_final_loss)}",
             value=final, threshold=cfg.max_final_loss, onset_step=ev.start_step,
         )
-    return Verdict(None, f"healthy: final loss {_fmt(final)}, best {_fmt(ev.best_loss)}")
+    held = "" if ev.eval is None else f"; eval loss {_fmt(ev.eval.final)}, best {_fmt(ev.eval.best)}"
+    return Verdict(None, f"healthy: final loss {_fmt(final)}, best {_fmt(ev.best_loss)}{held}")
+
+
+def eval_regression_limit(best: float | None, tolerance: float) -> float | None:
+    """The highest eval loss that is not a regression from ``best`` (None: no positive best to compare with)."""
+    return None if best is None or best <= 0 else (1.0 + tolerance) * best
+
+
+def judge_eval(ev: EvalEvidence, *, tolerance: float, start_step: int = 0) -> Verdict:
+    """The held-out rules (module docstring): finite, not regressed from its best, better than at the start."""
+    final, onset = ev.final, ev.best_step if ev.best_step is not None else start_step
+    if not math.isfinite(final):
+        return Verdict(EVAL_DEGRADED, f"eval degraded: the eval loss at step {ev.final_step} is not finite "
+                       f"(best {_fmt(ev.best)} at step {ev.best_step})", threshold=ev.best, onset_step=onset)
+    limit = eval_regression_limit(ev.best, tolerance)
+    if limit is not None and ev.best is not None and final > limit:
+        return Verdict(
+            EVAL_DEGRADED,
+            f"eval degraded: the eval loss {_fmt(final)} at step {ev.final_step} is {final / ev.best:.2f}x the "
+            f"best eval loss {_fmt(ev.best)} (step {ev.best_step}); allowed up to {_fmt(limit)}",
+            value=final, threshold=limit, onset_step=onset,
+        )
+    if ev.initial is not None and final >= ev.initial:
+        return Verdict(
+            NEVER_LEARNED,
+            f"never learned (held out): the eval loss {_fmt(final)} at step {ev.final_step} is no better than "
+            f"before any update ({_fmt(ev.initial)}), whatever the training loss shows",
+            value=final, threshold=ev.initial, onset_step=start_step,
+        )
+    return Verdict(None, f"eval loss {_fmt(final)}, best {_fmt(ev.best)}")

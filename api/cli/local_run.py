@@ -306,6 +306,7 @@ def result_from_sink(
         **(end or {}),
         "losses": [finite_or_none(m["loss"]) if isinstance(m.get("loss"), int | float) else None for m in metrics],
         "findings": sink.of_type("anomaly"),
+        "evals": sink.of_type("eval"),
         "checkpoints": [{"step": c["step"], "path": c["uri"], "healthy": c["healthy"]}
                         for c in sink.of_type("checkpoint")],
         "skipped_steps": [m["step"] for m in metrics if m.get("skipped")],

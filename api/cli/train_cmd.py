@@ -73,6 +73,8 @@ class ProgressSink(ListSink):
         elif type == "checkpoint":
             state = "[green]healthy[/]" if data["healthy"] else "[red]unhealthy[/]"
             self.progress.console.print(f"checkpoint step {data['step']} {state}: {data['uri']}")
+        elif type == "eval":
+            self.progress.console.print(f"eval step {data['step']}: eval loss {_fmt(data.get('eval_loss'))}")
 
 
 @contextmanager
@@ -109,11 +111,19 @@ def _load(path: Path, steps: int | None, workers: int | None) -> Recipe:
         overrides: dict[str, Any] = {}
         if steps is not None:
             overrides["training.max_steps"] = [recipe.training.max_steps, steps]
+            warmup = recipe.schedule.warmup_steps
+            if warmup:  # a step-count warmup keeps its share of the run (a warmup_fraction scales by itself)
+                scaled = min(steps - 1, max(1, round(warmup * steps / recipe.training.max_steps)))
+                if scaled != warmup:
+                    overrides["schedule.warmup_steps"] = [warmup, scaled]
+                    typer.echo(f"--steps {steps}: schedule.warmup_steps {warmup} → {scaled} (the warmup keeps its "
+                               "share of the run)", err=True)
         if workers is not None:
             overrides["resources.num_workers"] = [recipe.resources.num_workers, workers]
         return apply_overrides(recipe, overrides, allowed_import_modules=settings.allowed_import_modules)
     except RecipeError as exc:
-        raise fail("; ".join(f"{path}: {e}" for e in exc.errors)) from None
+        hint = f" (with --steps {steps}: give more steps or edit the recipe)" if steps is not None else ""
+        raise fail("; ".join(f"{path}: {e}{hint}" for e in exc.errors)) from None
 
 
 def _changes(overrides: dict[str, list[Any]]) -> str:
@@ -169,6 +179,9 @@ def _summary(console: Console, run: LocalOutcome, elapsed: float, kept_dir: str 
     losses = [x for x in result.get("losses", []) if x is not None]
     if losses:
         console.print(f"loss: first {losses[0]:.4g}, last {losses[-1]:.4g}, best {min(losses):.4g}")
+    evals = [e["eval_loss"] for e in result.get("evals", []) if e.get("eval_loss") is not None]
+    if evals:
+        console.print(f"eval loss: first {evals[0]:.4g}, last {evals[-1]:.4g}, best {min(evals):.4g}")
     if result.get("reason"):
         console.print(f"reason: {result['reason']}", highlight=False)
     if run.gave_up:

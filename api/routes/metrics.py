@@ -1,4 +1,5 @@
-"""``/runs/{run_id}/metrics``: per-step series (loss, grad norm, LR, ...) downsampled so spikes stay visible."""
+"""``/runs/{run_id}/metrics``: per-step series (loss, grad norm, LR, ..., the held-out eval loss) downsampled so spikes
+stay visible."""
 
 from __future__ import annotations
 
@@ -21,7 +22,9 @@ router = APIRouter(tags=["metrics"])
     summary="Metric series of a run",
     description="Each series in (attempt, step) order, as parallel arrays. When more than `max_points` points "
     "are in range, they are split into `max_points / 2` buckets and each keeps its minimum and maximum (a NaN "
-    "or infinity counts as the extreme), so a one-step spike survives downsampling.",
+    "or infinity counts as the extreme), so a one-step spike survives downsampling. `eval_loss` (recipes with "
+    "`training.eval_interval`) is the held-out loss: sparse, and its steps count completed steps (the weights after "
+    "that many updates, like a checkpoint's step).",
     responses=problem_responses(401, 403, 404, 422),
 )
 def get_metrics(

@@ -3,15 +3,47 @@
 from __future__ import annotations
 
 from enum import StrEnum
+from pathlib import PurePosixPath
 
-from pydantic import Field, StrictBool, StrictFloat, StrictInt
+from pydantic import Field, StrictBool, StrictFloat, StrictInt, field_validator
 
 from contracts.recipe.base import Section
+
+
+class Exporter(StrEnum):
+    tensorboard = "tensorboard"
+    mlflow = "mlflow"
 
 
 class Telemetry(Section):
     layer_stats_every: StrictInt = Field(default=10, ge=0)
     """Per-layer gradient norms and update-to-weight ratio every N steps (0 = never)."""
+    export: list[Exporter] = Field(default_factory=list)
+    """Trackers that rank 0 also writes the run's series to: ``tensorboard`` (event files under
+    ``<export root>/run-<id>/attempt-<n>/``), ``mlflow`` (one MLflow run per Ballast run). Each needs its extra
+    installed (``pip install 'ballast[tensorboard]'`` / ``'ballast[mlflow]'``); a missing one is logged, not fatal."""
+    export_dir: str | None = None
+    """A subdirectory of the server's export root (``BALLAST_TELEMETRY_EXPORT_DIR``) to write under instead of the
+    root itself: relative, without ``..`` (a recipe never picks a path outside the root)."""
+    mlflow_experiment: str | None = Field(default=None, min_length=1, max_length=200)
+    """The MLflow experiment of this run (default: the server's ``BALLAST_MLFLOW_EXPERIMENT``)."""
+
+    @field_validator("export")
+    @classmethod
+    def _unique(cls, v: list[Exporter]) -> list[Exporter]:
+        if len(set(v)) != len(v):
+            raise ValueError("each exporter may be named once")
+        return v
+
+    @field_validator("export_dir")
+    @classmethod
+    def _relative(cls, v: str | None) -> str | None:
+        if v is None:
+            return v
+        path = PurePosixPath(v.replace("\\", "/"))
+        if not v.strip() or path.is_absolute() or ".." in path.parts or ":" in v:
+            raise ValueError("must be a relative path inside the export root, without '..'")
+        return path.as_posix()
 
 
 class Checkpoint(Section):

@@ -21,5 +21,9 @@ class Success(Section):
     early_min_progress of that way has never learned: it is stopped then instead of at the end."""
     early_min_progress: StrictFloat = Field(default=0.05, ge=0.0, le=1.0)
     """Fraction of the way to the floor the smoothed loss must have covered by the early check (0: no check)."""
+    eval_regression_tolerance: StrictFloat | None = Field(default=0.1, ge=0.0, le=10.0)
+    """With training.eval_interval: the final held-out (eval) loss may be at most this fraction above the best eval
+    loss of the lineage, and must be below the first one (measured before any update); None: the eval loss is
+    recorded but never judged. The eval batches are the same every time, so there is no batch noise to allow for."""
     max_final_loss: StrictFloat | None = Field(default=None)
     """Your own bar: the final loss must be at most this (None: no bar)."""

@@ -20,7 +20,9 @@ class Training(Section):
     seed: StrictInt = Field(default=0, ge=0)
     """Seed for initialisation and the data stream."""
     eval_interval: StrictInt = Field(default=0, ge=0)
-    """Evaluate on held-out batches every N steps (0 = never)."""
+    """Evaluate on held-out batches every N steps, at the attempt's start and at its end (0 = never)."""
+    eval_batches: StrictInt = Field(default=4, ge=1, le=10_000)
+    """Held-out batches per evaluation (per worker): the same ones every time, so the eval series is comparable."""
     deterministic: StrictBool = False
     """Use deterministic algorithms (for resume-equivalence checks; slower)."""
 

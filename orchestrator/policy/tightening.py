@@ -23,8 +23,8 @@ DTYPE = "precision.dtype"
 WARMUP = "schedule.warmup_steps"
 WARMUP_FRACTION = "schedule.warmup_fraction"
 
-LOSS_KINDS = frozenset({"divergence", "loss_spike", "degraded", "never_learned", "oscillation", "above_bar",
-                        "nonfinite", "loss_scale_collapse"})
+LOSS_KINDS = frozenset({"divergence", "loss_spike", "degraded", "eval_degraded", "never_learned", "oscillation",
+                        "above_bar", "nonfinite", "loss_scale_collapse"})
 """Ends whose evidence is the loss (or a non-finite value): the step size is too large, so the LR goes first."""
 GRADIENT_KINDS = frozenset({"grad_norm_spike", "skip_escalation"})
 """Ends whose evidence is the gradient alone: a transient spike, so the clip threshold goes first."""

@@ -53,6 +53,7 @@ def spec_dict(ctx: Context, s: Session, run: Run, attempt: Attempt) -> dict[str,
         data_offset=int(plan.get("data_offset") or 0),
         run_id=run.id,
         allowed_import_modules=admitted_modules(parsed, ctx.settings.allowed_import_modules),
+        export=ctx.settings.export_targets() if recipe.telemetry.export else None,
     )
     return spec.to_dict()
 

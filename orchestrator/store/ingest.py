@@ -10,6 +10,7 @@ Where things go:
 - ``metric`` → ``metric_points``, downsampled to every ``metrics_every_steps``-th step for long runs; skipped
   steps, non-finite losses, steps with an anomaly in the same batch and the attempt's final step are always kept.
 - ``anomaly`` → ``anomalies``; ``checkpoint`` → ``checkpoints`` (with the health verdict).
+- ``eval`` → ``eval_points`` per (attempt, step), never downsampled (one per ``training.eval_interval`` steps).
 - ``layer_stats`` → the newest snapshot per attempt in ``attempts.ray_info["layer_stats"]``: the per-layer
   profile is a diagnosis aid (its findings arrive as anomalies), and a row per layer per k steps would outgrow
   the metric table for no reader.
@@ -32,7 +33,7 @@ from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.orm import Session
 
 from contracts.wire import finite_or_none
-from orchestrator.store.models import AnomalyRow, Attempt, CheckpointRow, MetricPoint, Run
+from orchestrator.store.models import AnomalyRow, Attempt, CheckpointRow, EvalPoint, MetricPoint, Run
 
 
 @dataclass
@@ -42,6 +43,7 @@ class IngestResult:
     metrics: int = 0
     anomalies: int = 0
     checkpoints: int = 0
+    evals: int = 0
     end: dict[str, Any] | None = None
     """The ``end`` event's data, when the batch held one."""
     max_seq: int = 0
@@ -108,6 +110,7 @@ class _Rows:
     metrics: list[dict[str, Any]] = field(default_factory=list)
     anomalies: list[dict[str, Any]] = field(default_factory=list)
     checkpoints: list[dict[str, Any]] = field(default_factory=list)
+    evals: list[dict[str, Any]] = field(default_factory=list)
     best: float | None = None
     last_step: int | None = None
     layer_stats: dict[str, Any] | None = None
@@ -123,6 +126,9 @@ class _Rows:
             self._anomaly(_int(ev.get("seq")), data)
         elif kind == "checkpoint":
             self._checkpoint(data)
+        elif kind == "eval":
+            self.evals.append({"run_id": self.run_id, "attempt_id": self.attempt_id, "step": _int(step),
+                               "eval_loss": number_or_none(data.get("eval_loss"))})
         elif kind == "layer_stats":
             if self.layer_stats is None or _int(step) >= _int(self.layer_stats.get("step")):
                 self.layer_stats = dict(jsonable(data))
@@ -212,6 +218,7 @@ def ingest_events(
     res.metrics = _insert_ignore(session, MetricPoint.__table__, ("attempt_id", "step"), rows.metrics)
     res.anomalies = _insert_ignore(session, AnomalyRow.__table__, ("attempt_id", "seq"), rows.anomalies)
     res.checkpoints = _insert_ignore(session, CheckpointRow.__table__, ("attempt_id", "step"), rows.checkpoints)
+    res.evals = _insert_ignore(session, EvalPoint.__table__, ("attempt_id", "step"), rows.evals)
     res.steps = sorted({r["step"] for r in rows.metrics})
     last_step = rows.last_step
     if end is not None:

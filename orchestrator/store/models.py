@@ -212,6 +212,26 @@ class MetricPoint(Base):
     created_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
 
 
+class EvalPoint(Base):
+    """A held-out (eval) loss: sparse (every ``training.eval_interval`` steps), so a table of its own rather than a
+    mostly-NULL column of ``metric_points``, and never downsampled at ingestion. ``step`` counts completed steps
+    (the weights after that many updates), like a checkpoint's."""
+
+    __tablename__ = "eval_points"
+    __table_args__ = (
+        sa.UniqueConstraint("attempt_id", "step"),
+        sa.Index("ix_eval_points_run_id_step", "run_id", "step"),
+    )
+
+    id: Mapped[int] = mapped_column(BigIntPK, primary_key=True)
+    run_id: Mapped[int] = mapped_column(sa.ForeignKey("runs.id", ondelete="CASCADE"))
+    attempt_id: Mapped[int] = mapped_column(sa.ForeignKey("attempts.id", ondelete="CASCADE"))
+    step: Mapped[int] = mapped_column()
+    eval_loss: Mapped[float | None] = mapped_column(sa.Float)
+    """NULL when it was not finite."""
+    created_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
+
+
 class Event(Base):
     """The audit log: every state change of a run or attempt, with its reason."""
 

@@ -12,7 +12,7 @@ import sqlalchemy as sa
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
-from orchestrator.store.models import AnomalyRow, Attempt, CheckpointRow, Event, MetricPoint, Run
+from orchestrator.store.models import AnomalyRow, Attempt, CheckpointRow, EvalPoint, Event, MetricPoint, Run
 from orchestrator.store.paging import PageResult, decode_cursor, encode_cursor
 
 
@@ -104,7 +104,9 @@ def list_checkpoints(*, session: Session, run_id: int) -> list[tuple[CheckpointR
     return [(c, int(n)) for c, n in session.execute(stmt)]
 
 
-METRIC_SERIES = ("loss", "grad_norm", "grad_norm_clipped", "lr", "loss_scale", "throughput")
+METRIC_SERIES = ("loss", "grad_norm", "grad_norm_clipped", "lr", "loss_scale", "throughput", "eval_loss")
+EVAL_SERIES = frozenset({"eval_loss"})
+"""Series read from ``eval_points`` (sparse: every ``training.eval_interval`` steps) rather than ``metric_points``."""
 
 
 @dataclass(frozen=True)
@@ -161,29 +163,21 @@ def metric_series(
     """Per-step metrics of a run in (attempt, step) order, each series downsampled to ``max_points``.
 
     Steps repeat across attempts after a rollback (attempt 2 re-runs steps after its checkpoint), so each point
-    carries its attempt number; missing (NULL) values are left out of that series.
+    carries its attempt number; missing (NULL) values are left out of that series. ``eval_loss`` comes from
+    ``eval_points`` (its steps count completed steps, like a checkpoint's), the others from ``metric_points``.
     """
     unknown = [s for s in series if s not in METRIC_SERIES]
     if unknown:
         raise ValueError(f"unknown metric series {unknown}; known: {list(METRIC_SERIES)}")
-    cols = [getattr(MetricPoint, s) for s in series]
-    filters: list[sa.ColumnElement[bool]] = [MetricPoint.run_id == run_id]
-    if step_min is not None:
-        filters.append(MetricPoint.step >= step_min)
-    if step_max is not None:
-        filters.append(MetricPoint.step <= step_max)
-    if attempt is not None:
-        filters.append(Attempt.number == attempt)
-    stmt = (
-        select(MetricPoint.step, Attempt.number, *cols)
-        .join(Attempt, Attempt.id == MetricPoint.attempt_id)
-        .where(*filters)
-        .order_by(Attempt.number, MetricPoint.step)
-    )
-    rows = session.execute(stmt).all()
+    points: dict[str, list[tuple[int, int, float]]] = {}
+    for table, names in ((MetricPoint, [s for s in series if s not in EVAL_SERIES]),
+                         (EvalPoint, [s for s in series if s in EVAL_SERIES])):
+        if names:
+            points |= _points(session, table, names, run_id=run_id, step_min=step_min, step_max=step_max,
+                              attempt=attempt)
     out: list[Series] = []
-    for j, name in enumerate(series):
-        pts = [(int(r[0]), int(r[1]), float(r[2 + j])) for r in rows if r[2 + j] is not None]
+    for name in series:
+        pts = points[name]
         keep = downsample_min_max([p[2] for p in pts], max_points)
         out.append(
             Series(
@@ -195,6 +189,29 @@ def metric_series(
             )
         )
     return out
+
+
+def _points(session: Session, table: type[MetricPoint] | type[EvalPoint], names: Sequence[str], *, run_id: int,
+            step_min: int | None, step_max: int | None,
+            attempt: int | None) -> dict[str, list[tuple[int, int, float]]]:
+    """(step, attempt number, value) of each named column of ``table`` in (attempt, step) order, NULLs left out."""
+    cols = [getattr(table, s) for s in names]
+    filters: list[sa.ColumnElement[bool]] = [table.run_id == run_id]
+    if step_min is not None:
+        filters.append(table.step >= step_min)
+    if step_max is not None:
+        filters.append(table.step <= step_max)
+    if attempt is not None:
+        filters.append(Attempt.number == attempt)
+    stmt = (
+        select(table.step, Attempt.number, *cols)
+        .join(Attempt, Attempt.id == table.attempt_id)
+        .where(*filters)
+        .order_by(Attempt.number, table.step)
+    )
+    rows = session.execute(stmt).all()
+    return {name: [(int(r[0]), int(r[1]), float(r[2 + j])) for r in rows if r[2 + j] is not None]
+            for j, name in enumerate(names)}
 
 
 # --------------------------------------------------------------------------- what the live event stream polls

@@ -158,3 +158,9 @@ def make_server(
     for server, thread in servers:
         server.should_exit = True
         thread.join(timeout=10)
+
+
+@pytest.fixture
+def url(make_server: Callable[..., str]) -> str:
+    """The base URL of a live server (auth off) on this test's database."""
+    return make_server()

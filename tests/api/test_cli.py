@@ -18,6 +18,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
 import sqlalchemy as sa
 from sqlalchemy.orm import Session, sessionmaker
@@ -34,7 +35,7 @@ from orchestrator.policy.states import AttemptState, RunState
 from orchestrator.settings import Settings, get_settings
 from orchestrator.store import repo
 from orchestrator.store.db import make_engine
-from orchestrator.store.models import AnomalyRow, Attempt, MetricPoint, Run
+from orchestrator.store.models import AnomalyRow, Attempt, EvalPoint, MetricPoint, Run
 from tests.api.conftest import YAML_RECIPE, free_port, seed_attempt, settings_for
 
 BAD_RECIPE = """\
@@ -45,11 +46,6 @@ optimizer:
   lr: -1
   bogus: 2
 """
-
-
-@pytest.fixture
-def url(make_server: Callable[..., str]) -> str:
-    return make_server()
 
 
 @pytest.fixture
@@ -280,6 +276,31 @@ def test_metrics_series_json_and_sparkline(
     lines = res.stdout.splitlines()
     assert lines[0] == "loss (10 points, downsampled from 20)"
     assert "!" in lines[1]  # the spike survives downsampling and shows
+
+
+def test_eval_loss_over_http_and_in_the_metrics_command(
+    url: str, recipe_file: Path, session_factory: sessionmaker[Session]
+) -> None:
+    run_id = submit_id(url, recipe_file)
+    _seed_telemetry(session_factory, run_id)
+    with session_factory() as session:
+        att_id = session.scalars(sa.select(Attempt.id).where(Attempt.run_id == run_id)).one()
+        for step, value in ((0, 3.47), (10, 2.91), (20, 2.64)):
+            session.add(EvalPoint(run_id=run_id, attempt_id=att_id, step=step, eval_loss=value))
+        session.commit()
+    r = httpx.get(f"{url}/api/v1/runs/{run_id}/metrics", params={"series": "eval_loss"}, timeout=10)
+    assert r.status_code == 200
+    assert r.json()["series"] == [{"name": "eval_loss", "steps": [0, 10, 20], "values": [3.47, 2.91, 2.64],
+                                   "attempts": [1, 1, 1], "total_points": 3, "downsampled": False}]
+    res = ballast("metrics", str(run_id), "--url", url, "--series", "eval_loss", "--series", "loss")
+    assert res.exit_code == 0, res.output
+    lines = res.stdout.splitlines()
+    assert lines[0] == "eval_loss (3 points)"
+    assert lines[1] == "█▃▁"
+    assert "EVAL_LOSS" in "".join(lines[2:4])
+    rows = [ln.split() for ln in lines[2:8] if ln.split() and ln.split()[0].isdigit()]
+    assert rows == [["1", "0", "3.47"], ["1", "10", "2.91"], ["1", "20", "2.64"]]
+    assert any(ln.startswith("loss (20 points") for ln in lines)
 
 
 def test_sparkline_marks_non_finite_points() -> None:

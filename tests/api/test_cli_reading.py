@@ -79,12 +79,6 @@ def test_db_current_on_an_unreachable_database_is_one_line(monkeypatch: pytest.M
 
 
 # ------------------------------------------------------------------------------------- reading runs at 80 cols
-@pytest.fixture
-def served(make_server: Any) -> str:
-    url: str = make_server()
-    return url
-
-
 def _recovered_run(factory: sessionmaker[Session], name: str) -> int:
     """A run whose attempt 1 diverged (a detector's reason with its numbers) and attempt 2 recovered, with
     three overrides: the rows the scheduler would leave."""
@@ -108,10 +102,10 @@ def _recovered_run(factory: sessionmaker[Session], name: str) -> int:
 
 
 def test_runs_list_fits_80_columns_with_every_short_column_whole(
-    served: str, session_factory: sessionmaker[Session]
+    url: str, session_factory: sessionmaker[Session]
 ) -> None:
     run_id = _recovered_run(session_factory, "an-unusually-long-run-name-for-a-listing")
-    res = run_cli("runs", "list", "--url", served)
+    res = run_cli("runs", "list", "--url", url)
     assert res.exit_code == 0, res.output
     lines = res.stdout.splitlines()
     assert all(len(line) <= 80 for line in lines), lines
@@ -123,10 +117,10 @@ def test_runs_list_fits_80_columns_with_every_short_column_whole(
 
 
 def test_runs_show_prints_whole_reasons_under_a_table_that_fits_80_columns(
-    served: str, session_factory: sessionmaker[Session]
+    url: str, session_factory: sessionmaker[Session]
 ) -> None:
     run_id = _recovered_run(session_factory, "recovered")
-    res = run_cli("runs", "show", str(run_id), "--url", served)
+    res = run_cli("runs", "show", str(run_id), "--url", url)
     assert res.exit_code == 0, res.output
     lines = res.stdout.splitlines()
     header = next(i for i, line in enumerate(lines) if line.split()[:2] == ["#", "KIND"])
@@ -140,20 +134,42 @@ def test_runs_show_prints_whole_reasons_under_a_table_that_fits_80_columns(
     assert any("schedule.warmup_steps 0→20" in line for line in table_lines)
 
 
-def test_output_to_a_pipe_has_no_ansi_codes(served: str, session_factory: sessionmaker[Session]) -> None:
+def test_output_to_a_pipe_has_no_ansi_codes(url: str, session_factory: sessionmaker[Session]) -> None:
     run_id = _recovered_run(session_factory, "piped")
     for args in (("runs", "list"), ("runs", "show", str(run_id)), ("anomalies", str(run_id))):
-        res = run_cli(*args, "--url", served)
+        res = run_cli(*args, "--url", url)
         assert res.exit_code == 0, res.output
         assert "\x1b[" not in res.output, args
 
 
 def test_anomalies_refuses_an_unknown_kind_naming_the_known_ones(
-    served: str, session_factory: sessionmaker[Session]
+    url: str, session_factory: sessionmaker[Session]
 ) -> None:
     run_id = _recovered_run(session_factory, "kinds")
-    res = run_cli("anomalies", str(run_id), "--url", served, "--kind", "loss_spik")
+    res = run_cli("anomalies", str(run_id), "--url", url, "--kind", "loss_spik")
     assert res.exit_code == 2, res.output
     assert "kind" in res.output and "loss_spike" in res.output
-    ok = run_cli("anomalies", str(run_id), "--url", served, "--kind", "loss_spike", "--json")
+    ok = run_cli("anomalies", str(run_id), "--url", url, "--kind", "loss_spike", "--json")
     assert ok.exit_code == 0 and json.loads(ok.stdout)["data"] == []
+
+
+# ------------------------------------------------------------------------------------------ ballast train --steps
+REPO = Path(__file__).resolve().parents[2]
+
+
+@pytest.mark.slow
+def test_train_steps_scales_a_step_count_warmup(tmp_path: Path) -> None:
+    """`--steps 20` on a recipe with `warmup_steps: 30` of 300 trains with a 2-step warmup instead of refusing."""
+    res = CliRunner().invoke(app, ["train", str(REPO / "recipes/baseline.yaml"), "--steps", "20",
+                                   "--checkpoint-dir", str(tmp_path / "ckpt"), "--json"])
+    assert res.exit_code in (0, 1), res.output  # the run's verdict is not the point; that it ran is
+    assert "schedule.warmup_steps 30 → 2" in res.stderr
+    out = json.loads(res.stdout)
+    assert out["final_step"] == 20
+
+
+def test_train_steps_that_a_fault_outlives_name_the_flag(tmp_path: Path) -> None:
+    res = CliRunner().invoke(app, ["train", str(REPO / "recipes/unstable-grad-spike.yaml"), "--steps", "30",
+                                   "--checkpoint-dir", str(tmp_path / "ckpt")])
+    assert res.exit_code == 2
+    assert "faults.0.step" in res.output and "with --steps 30" in res.output and "Traceback" not in res.output

@@ -30,7 +30,6 @@ from contracts.recipe import Recipe, load_recipe
 from orchestrator.store.ingest import ingest_events
 from orchestrator.store.models import Attempt, Run
 from tests.api.conftest import seed_attempt
-from tests.api.test_cli import make_server, url  # noqa: F401  (the live-server fixtures)
 from workers.checkpoint import load_checkpoint
 from workers.data import build_data
 from workers.models import build_model

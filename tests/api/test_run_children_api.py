@@ -8,7 +8,7 @@ import pytest
 from fastapi.testclient import TestClient
 from sqlalchemy.orm import Session, sessionmaker
 
-from orchestrator.store.models import AnomalyRow, CheckpointRow, MetricPoint
+from orchestrator.store.models import AnomalyRow, CheckpointRow, EvalPoint, MetricPoint
 from tests.api.conftest import seed_attempt, seed_run
 
 RUNS = "/api/v1/runs"
@@ -128,8 +128,32 @@ def test_metrics_full_series(client: TestClient, run_with_history: dict[str, int
     assert loss["steps"][100:102] == [40, 41] and loss["attempts"][100:102] == [2, 2]  # attempt 2 after attempt 1
     assert lr["values"][0] == 0.003 and lr["values"][-1] == 0.0015
     assert [s["name"] for s in client.get(f"{RUNS}/{run_with_history['run']}/metrics").json()["series"]] == [
-        "loss", "grad_norm", "grad_norm_clipped", "lr", "loss_scale", "throughput"
+        "loss", "grad_norm", "grad_norm_clipped", "lr", "loss_scale", "throughput", "eval_loss"
     ]
+
+
+def test_metrics_eval_loss_series_per_attempt_with_filters(
+    client: TestClient, run_with_history: dict[str, int], session_factory: sessionmaker[Session]
+) -> None:
+    ids = run_with_history
+    with session_factory() as s:
+        for step, value in ((0, 3.2), (20, 3.0), (40, 2.8), (60, 2.6)):
+            s.add(EvalPoint(run_id=ids["run"], attempt_id=ids["a1"], step=step, eval_loss=value))
+        s.add(EvalPoint(run_id=ids["run"], attempt_id=ids["a1"], step=61, eval_loss=None))  # not finite
+        s.add(EvalPoint(run_id=ids["run"], attempt_id=ids["a2"], step=60, eval_loss=2.5))
+        s.commit()
+    url = f"{RUNS}/{ids['run']}/metrics"
+    r = client.get(url, params={"series": ["eval_loss", "loss"]})
+    assert r.status_code == 200
+    ev, loss = r.json()["series"]
+    assert ev == {"name": "eval_loss", "steps": [0, 20, 40, 60, 60], "values": [3.2, 3.0, 2.8, 2.6, 2.5],
+                  "attempts": [1, 1, 1, 1, 2], "total_points": 5, "downsampled": False}
+    assert loss["total_points"] == 130
+    (only,) = client.get(url, params={"series": "eval_loss", "attempt": 1, "step_min": 10, "step_max": 50}).json()[
+        "series"]
+    assert (only["steps"], only["attempts"]) == ([20, 40], [1, 1])
+    (small,) = client.get(url, params={"series": "eval_loss", "max_points": 2}).json()["series"]
+    assert small["downsampled"] is True and small["values"] == [3.2, 2.5]
 
 
 def test_metrics_downsampling_keeps_the_spike(client: TestClient, run_with_history: dict[str, int]) -> None:

@@ -17,8 +17,7 @@ from api.client import BallastClient
 from ballast import ApiError, Client, Unreachable, WaitTimeout
 from orchestrator.policy.states import RunState
 from orchestrator.store.models import Run
-from tests.api.conftest import YAML_RECIPE, seed_attempt
-from tests.api.test_cli import free_port, make_server, url  # noqa: F401  (the live-server fixtures)
+from tests.api.conftest import YAML_RECIPE, free_port, seed_attempt
 
 
 def set_state(factory: sessionmaker[Session], run_id: int, state: RunState) -> None:

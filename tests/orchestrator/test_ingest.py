@@ -13,8 +13,8 @@ from sqlalchemy.orm import Session, sessionmaker
 from contracts.recipe import validate_recipe_data
 from orchestrator.store.db import transaction
 from orchestrator.store.ingest import ingest_events
-from orchestrator.store.models import AnomalyRow, Attempt, CheckpointRow, MetricPoint, Run
-from orchestrator.store.repo import create_run
+from orchestrator.store.models import AnomalyRow, Attempt, CheckpointRow, EvalPoint, MetricPoint, Run
+from orchestrator.store.repo import create_run, metric_series
 
 
 def _make_run(factory: sessionmaker[Session]) -> tuple[int, int]:
@@ -156,3 +156,34 @@ def test_a_bad_downsampling_factor_is_refused(session_factory: sessionmaker[Sess
     run_id, attempt_id = _make_run(session_factory)
     with pytest.raises(ValueError, match="metrics_every_steps"):
         _ingest(session_factory, run_id, attempt_id, _events([_metric(0, 1.0)]), every=0)
+
+
+# ------------------------------------------------------------------------------------------------ eval points
+def _eval(step: int, loss: float | None) -> tuple[str, dict[str, Any]]:
+    return "eval", {"step": step, "eval_loss": loss, "batches": 4}
+
+
+def test_eval_events_land_in_eval_points_idempotently_and_never_downsampled(
+    session_factory: sessionmaker[Session],
+) -> None:
+    run_id, attempt_id = _make_run(session_factory)
+    spec = [_eval(0, 3.4)] + [_metric(step, 3.0 - step / 100) for step in range(23)]
+    spec[8:8] = [_eval(7, 2.9)]
+    spec += [_eval(14, 2.7), _eval(21, float("nan")), _eval(23, 2.6),
+             ("end", {"outcome": "succeeded", "final_step": 23, "onset_step": None})]
+    events = _events(spec)
+    first = _ingest(session_factory, run_id, attempt_id, events[:20], every=5)
+    assert first.evals == 2
+    again = _ingest(session_factory, run_id, attempt_id, list(reversed(events)), every=5)
+    assert again.evals == 3  # only the new ones
+    assert _ingest(session_factory, run_id, attempt_id, events, every=5).evals == 0
+    with transaction(session_factory) as s:
+        rows = s.execute(sa.select(EvalPoint.step, EvalPoint.eval_loss).order_by(EvalPoint.step)).all()
+        assert [tuple(r) for r in rows] == [(0, 3.4), (7, 2.9), (14, 2.7), (21, None), (23, 2.6)]
+        (series,) = metric_series(session=s, run_id=run_id, series=["eval_loss"])
+        assert series.steps == [0, 7, 14, 23] and series.values == [3.4, 2.9, 2.7, 2.6]  # NULL left out
+        assert series.attempts == [1, 1, 1, 1] and series.total == 4
+        run, attempt = s.get(Run, run_id), s.get(Attempt, attempt_id)
+        assert run is not None and attempt is not None
+        assert run.best_loss == pytest.approx(2.78)  # the training loss's aggregate only
+        assert attempt.last_step == 23

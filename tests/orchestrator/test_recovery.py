@@ -169,6 +169,7 @@ def test_a_manual_retry_resumes_from_the_newest_valid_healthy_checkpoint_of_the_
         ("adamw", "auto", "divergence", {"optimizer.lr"}, {"optimizer.lr", "clipping.max_norm"}),
         ("sgd", "auto", "loss_spike", {"optimizer.lr"}, {"optimizer.lr", "clipping.max_norm"}),
         ("sgd", "auto", "nonfinite", {"optimizer.lr"}, {"optimizer.lr", "clipping.max_norm"}),
+        ("sgd", "auto", "eval_degraded", {"optimizer.lr"}, {"optimizer.lr", "clipping.max_norm"}),
         # auto, by evidence: a gradient spike with a healthy loss tightens the clip first, whatever the optimizer
         ("adamw", "auto", "grad_norm_spike", {"clipping.max_norm"}, {"optimizer.lr", "clipping.max_norm"}),
         ("adam", "auto", "skip_escalation", {"clipping.max_norm"}, {"optimizer.lr", "clipping.max_norm"}),

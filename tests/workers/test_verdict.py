@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from contracts.recipe import Action, Success
@@ -9,9 +11,11 @@ from contracts.wire import ANOMALY_KINDS
 from workers.detectors import Finding
 from workers.verdict import (
     DEGRADED,
+    EVAL_DEGRADED,
     NEVER_LEARNED,
     VANISHING,
     VERDICT_KINDS,
+    EvalEvidence,
     Evidence,
     early_check_step,
     final_loss,
@@ -101,3 +105,56 @@ def test_a_finding_of_an_unknown_kind_is_refused_when_made() -> None:
         Finding(step=1, kind="made_up", detector="x", value=1.0, threshold=0.5, action=Action.rollback)
     assert Finding(step=1, kind="loss_spike", detector="loss", value=1.0, threshold=0.5,
                    action=Action.rollback).kind == "loss_spike"
+
+
+# ------------------------------------------------------------------------------------ the held-out (eval) rules
+def held_out(final: float, *, best: float | None = 1.7, best_step: int | None = 200, initial: float | None = 4.1,
+             final_step: int = 300) -> EvalEvidence:
+    return EvalEvidence(initial=initial, best=best, best_step=best_step, final=final, final_step=final_step)
+
+
+@pytest.mark.parametrize(
+    ("evals", "kind", "onset"),
+    [
+        (None, None, None),                                        # no eval series: the verdict is unchanged
+        (held_out(1.75), None, None),                              # near its best: healthy
+        (held_out(1.87), None, None),                              # 1.1x the best: at the limit, allowed
+        (held_out(2.2), EVAL_DEGRADED, 200),                       # regressed: back to the best eval's step
+        (held_out(float("nan")), EVAL_DEGRADED, 200),              # not finite
+        (held_out(float("inf"), best=None, best_step=None), EVAL_DEGRADED, 100),  # never finite: the start
+        (held_out(4.1, best=4.0, best_step=20), NEVER_LEARNED, 100),  # no better than before any update
+        (held_out(4.2, best=None, best_step=None), NEVER_LEARNED, 100),  # nothing finite but the end: no best
+        (held_out(4.1, best=4.0, initial=None), None, None),       # no initial eval (resumed lineage): not judged
+        (held_out(2.2, best=-1.0), None, None),                    # a loss <= 0 has no ratio to regress by
+    ],
+)
+def test_judge_end_with_an_eval_series(evals: EvalEvidence | None, kind: str | None, onset: int | None) -> None:
+    """The training loss is healthy in every row (1.65 vs best 1.6): only the held-out numbers decide."""
+    evidence = dataclasses.replace(ev(1.65, start=100), eval=evals)
+    v = judge_end(CFG, evidence)
+    assert v.kind == kind, v.reason
+    if kind is not None:
+        assert v.onset_step == onset
+        assert "eval loss" in v.reason
+
+
+def test_training_rules_come_first_and_the_bar_after() -> None:
+    regressed = held_out(2.2)
+    assert judge_end(CFG, dataclasses.replace(ev(2.4), eval=regressed)).kind == DEGRADED
+    assert judge_end(CFG, dataclasses.replace(ev(4.0), eval=regressed)).kind == NEVER_LEARNED
+    bar = Success(max_final_loss=1.5)
+    assert judge_end(bar, dataclasses.replace(ev(1.65), eval=regressed)).kind == EVAL_DEGRADED
+    assert judge_end(bar, dataclasses.replace(ev(1.65), eval=held_out(1.75))).kind == "above_bar"
+
+
+def test_eval_tolerance_is_configurable_and_none_turns_the_rules_off() -> None:
+    evidence = dataclasses.replace(ev(1.65), eval=held_out(2.2))
+    assert judge_end(Success(eval_regression_tolerance=0.5), evidence).healthy
+    assert judge_end(Success(eval_regression_tolerance=0.2), evidence).kind == EVAL_DEGRADED
+    assert judge_end(Success(eval_regression_tolerance=None), evidence).healthy
+    assert judge_end(Success(eval_regression_tolerance=None),
+                     dataclasses.replace(ev(1.65), eval=held_out(float("nan")))).healthy
+    v = judge_end(CFG, evidence)
+    assert (v.value, v.threshold) == (2.2, pytest.approx(1.87))
+    assert "2.2" in v.reason and "1.7" in v.reason and "step 200" in v.reason
+    assert "eval loss 1.75" in judge_end(CFG, dataclasses.replace(ev(1.65), eval=held_out(1.75))).reason

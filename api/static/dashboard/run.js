@@ -11,8 +11,9 @@ import {
 } from './util.js';
 
 const CHARTS = [
-  { id: 'loss', title: 'Loss', names: ['loss'], labels: { loss: 'loss' }, log: true, logToggle: true,
-    note: 'No eval-loss curve: the metrics API has no eval-loss series.' },
+  // eval_loss (with training.eval_interval) is sparse: its points are joined across the steps in between
+  { id: 'loss', title: 'Loss (solid: training, dashed: held-out eval)', names: ['loss', 'eval_loss'],
+    labels: { loss: 'loss', eval_loss: 'eval' }, log: true, logToggle: true },
   { id: 'grad_norm', title: 'Global gradient norm (solid: pre-clip, dashed: post-clip)',
     names: ['grad_norm', 'grad_norm_clipped'], labels: { grad_norm: 'pre-clip', grad_norm_clipped: 'post-clip' },
     log: true, logToggle: true },
