@@ -9,6 +9,7 @@ import logging
 import os
 import threading
 import time
+from collections.abc import Callable
 
 from sqlalchemy.orm import Session, sessionmaker
 
@@ -105,16 +106,20 @@ class Scheduler:
             self._thread.join(timeout)
             self._thread = None
 
-    def run_forever(self) -> None:
+    def run_forever(self, on_running: Callable[[], None] | None = None) -> None:
         """Run the loop until ``stop()`` (``ballast scheduler``), this thread waiting for it.
 
         The loop runs in its own thread (``start``), which connects to Ray: a Ray initialised from the main thread
         installs its own SIGTERM handler (``sys.exit(15)``), and its core worker a C++ one that prints a stack
         dump, which ``reclaim_signals`` replaces again: the caller's handlers (``stop_on_signals``) stay in charge,
         and a SIGTERM stops the loop, which releases its leases and shuts a local Ray down before this returns.
+        ``on_running`` is called once that holds (Ray connected, the handlers reclaimed); a signal that arrives
+        while Ray is still starting meets Ray's handler.
         """
         self.start()
         reclaim_signals()  # Ray's C++ SIGTERM handler (a stack dump) out, the caller's back
+        if on_running is not None:
+            on_running()
         thread = self._thread
         while thread is not None and thread.is_alive():
             thread.join(0.5)
