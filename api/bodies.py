@@ -148,13 +148,26 @@ def _no_constants(name: str) -> Any:
     raise RecipeError([FieldError("<document>", f"invalid JSON: {name} is not a number")])
 
 
+MAX_INT_DIGITS = 24
+"""Digits of a JSON integer worth converting: every 64-bit integer has fewer; a longer one is refused before
+Python's int() (past 4,300 digits a ValueError, and quadratic time before that)."""
+
+
+def _bounded_int(digits: str) -> int:
+    if len(digits.lstrip("-")) > MAX_INT_DIGITS:
+        raise RecipeError([FieldError("<document>", f"invalid number: an integer of {len(digits)} digits "
+                                                    "(recipes hold 64-bit integers)")])
+    return int(digits)
+
+
 def _load_json_recipe(body: bytes, allowed: list[str]) -> tuple[Recipe, str]:
     try:
         text = body.decode("utf-8")
     except UnicodeDecodeError as exc:
         raise RecipeError([FieldError("<document>", f"not UTF-8 text ({exc.reason})")]) from None
     try:
-        data = json.loads(text, object_pairs_hook=_no_duplicate_keys, parse_constant=_no_constants)
+        data = json.loads(text, object_pairs_hook=_no_duplicate_keys, parse_constant=_no_constants,
+                          parse_int=_bounded_int)
     except json.JSONDecodeError as exc:
         raise RecipeError([FieldError("<document>", f"invalid JSON: {exc.msg}", exc.lineno)]) from None
     return validate_recipe_data(data, allowed_import_modules=allowed), text

@@ -47,6 +47,21 @@ than 2 s apart every report blocked ~2 s. Polling 4x a second costs the controll
 that wait (an operator's own setting of the variable wins)."""
 DEFAULT_TRAIN_FN = "workers.entry:train_loop_per_worker"
 """The per-worker entry; a launch may name another (set by the scheduler, never by a recipe)."""
+DEFAULT_STEP_TIMEOUT_S = 600.0
+
+
+def collective_timeout_s(step_timeout_s: float) -> int:
+    """The process group's timeout (``TorchConfig.timeout_s``: rendezvous and every collective) for an attempt
+    with this step-progress deadline: the deadline plus a margin (a minute, or the deadline again if longer), so
+    the scheduler's deadline fires first and names the hang, and the collective timeout is the backstop that ends
+    a stuck group when no scheduler watches."""
+    return int(step_timeout_s + max(60.0, step_timeout_s))
+
+
+def step_timeout_of(launch: Mapping[str, Any]) -> float:
+    """``resources.step_timeout_s`` of the launch's recipe (the recipe as the ``AttemptSpec`` dict carries it)."""
+    resources = ((launch.get("spec") or {}).get("recipe") or {}).get("resources") or {}
+    return float(resources.get("step_timeout_s") or DEFAULT_STEP_TIMEOUT_S)
 
 
 @dataclass(frozen=True)
@@ -219,7 +234,7 @@ def run_torch_trainer(launch: Mapping[str, Any], channel: Any) -> None:
     """One worker group: a Ray Train ``TorchTrainer`` for ``launch`` (built by the scheduler), reporting to
     ``channel``. Ray Train's own retries are off: a failure is an attempt outcome the recovery policy handles."""
     from ray.train import FailureConfig, RunConfig, ScalingConfig
-    from ray.train.torch import TorchTrainer
+    from ray.train.torch import TorchConfig, TorchTrainer
 
     from workers.ray_sink import ActorSink
 
@@ -237,6 +252,7 @@ def run_torch_trainer(launch: Mapping[str, Any], channel: Any) -> None:
             "sink": ActorSink(channel, attempt=int(launch["attempt"])),
             "checkpoint_uri_prefix": launch["checkpoint_uri_prefix"],
         },
+        torch_config=TorchConfig(timeout_s=collective_timeout_s(step_timeout_of(launch))),
         scaling_config=ScalingConfig(
             num_workers=int(launch["num_workers"]),
             use_gpu=bool(launch.get("use_gpu")),

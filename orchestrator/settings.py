@@ -73,6 +73,11 @@ class Settings(BaseSettings):
     mlflow_experiment: str = Field(
         default="ballast", description="MLflow experiment of exported runs (a recipe may name another)."
     )
+    cluster_autoscales: bool = Field(
+        default=False,
+        description="A run that needs more CPUs/GPUs than the whole Ray cluster has: `false` fails it at once with "
+        "the reason; `true` (an autoscaler can add nodes) leaves it queued with the reason.",
+    )
     metrics_every_steps: int = Field(
         default=1, ge=1, description="Downsampling of per-step metrics written to the store (1 = every step)."
     )

@@ -1,6 +1,6 @@
 """Injected faults from the recipe: the failures Ballast must survive, on demand, for tests and demos.
 
-The injector only perturbs the numbers (loss, gradients, batch) or the process (SIGKILL, a corrupted
+The injector only perturbs the numbers (loss, gradients, batch) or the process (SIGKILL, a hang, a corrupted
 checkpoint); it never tells the detectors anything. Catching the effect from the numbers alone is the point.
 A fault fires only in the attempt it names and, when it names a rank, only on that rank.
 """
@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import signal
+import time
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
@@ -19,6 +20,7 @@ from contracts.recipe import (
     BatchScaleFault,
     CorruptCheckpointFault,
     GradScaleFault,
+    HangFault,
     KillWorkerFault,
     NanLossFault,
 )
@@ -45,9 +47,14 @@ class FaultInjector:
         return [f for f in self.faults if isinstance(f, kind) and f.step == step]
 
     def before_step(self, step: int) -> None:
-        """kill_worker: die like a preempted or OOM-killed worker (no cleanup, no exception)."""
+        """kill_worker: die like a preempted or OOM-killed worker (no cleanup, no exception); hang: stop making
+        progress without dying, like a rank stuck in a collective that never returns (its peers then block in
+        the step's own collectives). Only the step-progress deadline ends it."""
         if self._at(step, KillWorkerFault):
             os.kill(os.getpid(), signal.SIGKILL)
+        if self._at(step, HangFault):
+            while True:
+                time.sleep(3600)
 
     def on_batch(self, step: int, batch: Batch) -> Batch:
         """batch_scale on the float inputs of a tuple or dict batch (targets and ``labels`` are left alone); a

@@ -177,9 +177,10 @@ def scheduler(
     from orchestrator.scheduler import Scheduler, stop_on_signals
 
     sched = Scheduler(settings, factory)
-    typer.echo(f"ballast: scheduler running (database {redacted_url(settings.database_url)}, "
-               f"ray {settings.ray_address or 'local'})", err=True)
+    ray = settings.ray_address or "local"
+    typer.echo(f"ballast: starting the scheduler (database {redacted_url(settings.database_url)}, ray {ray}) ...",
+               err=True)
     with stop_on_signals(sched.stop):
-        sched.run_forever()
+        sched.run_forever(on_running=lambda: typer.echo("ballast: scheduler running", err=True))
     typer.echo("ballast: scheduler stopped", err=True)
 

@@ -33,6 +33,7 @@ from contracts.recipe.faults import (
     CorruptCheckpointFault,
     Fault,
     GradScaleFault,
+    HangFault,
     KillWorkerFault,
     NanLossFault,
 )
@@ -96,7 +97,8 @@ __all__ = [
     "API_VERSION", "DEFAULT_MAX_RECIPE_BYTES", "KIND", "SCHEDULE_PRESETS", "Action", "Activation", "BatchScaleFault",
     "Checkpoint", "ClipMethod", "Clipping", "Compression", "CorruptCheckpointFault", "CrossFieldErrors",
     "CustomData", "CustomModel", "DType", "DataSpec", "Decay", "DeepMLPModel", "Detectors", "Distributed",
-    "Exporter", "Fault", "FieldError", "GradNormSpikeDetector", "GradScaleFault", "KillWorkerFault", "LinearModel",
+    "Exporter", "Fault", "FieldError", "GradNormSpikeDetector", "GradScaleFault", "HangFault", "KillWorkerFault",
+    "LinearModel",
     "LossScaling",
     "LossSpikeDetector", "MarkovData", "ModelSpec", "NanLossFault", "NonFiniteDetector", "NormPosition", "Optimizer",
     "OptimizerName", "OscillationDetector", "Precision", "Recipe", "RecipeError", "Recovery", "RecoveryStrategy",

@@ -47,6 +47,13 @@ class KillWorkerFault(_Fault):
     type: Literal["kill_worker"] = "kill_worker"
 
 
+class HangFault(_Fault):
+    """Stop making progress without dying: the rank sleeps forever before the step (a stuck collective, a dead
+    NIC); its peers then wait in the next collective. Only the step-progress deadline notices."""
+
+    type: Literal["hang"] = "hang"
+
+
 class CorruptCheckpointFault(_Fault):
     """Corrupt the newest checkpoint on disk (after it was written), then crash."""
 
@@ -54,6 +61,6 @@ class CorruptCheckpointFault(_Fault):
 
 
 Fault = Annotated[
-    NanLossFault | GradScaleFault | BatchScaleFault | KillWorkerFault | CorruptCheckpointFault,
+    NanLossFault | GradScaleFault | BatchScaleFault | KillWorkerFault | HangFault | CorruptCheckpointFault,
     Field(discriminator="type"),
 ]

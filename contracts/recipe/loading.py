@@ -86,7 +86,7 @@ def _line_of(root: Any, loc: tuple[Any, ...]) -> int | None:
 
 
 _TAG_PARTS = {"tiny_gpt", "deep_mlp", "rnn", "linear", "custom", "markov", "regression", "sequence", "nan_loss",
-              "grad_scale", "batch_scale", "kill_worker", "corrupt_checkpoint"}
+              "grad_scale", "batch_scale", "kill_worker", "hang", "corrupt_checkpoint"}
 
 
 def _document_loc(loc: tuple[Any, ...]) -> tuple[Any, ...]:

@@ -110,6 +110,10 @@ class Resources(Section):
     """CPUs reserved per worker."""
     gpus_per_worker: StrictFloat = Field(default=0.0, ge=0.0, le=16)
     """GPUs reserved per worker (when use_gpu)."""
+    step_timeout_s: StrictFloat = Field(default=600.0, ge=1.0, le=86_400.0)
+    """The step-progress deadline: an attempt with no step for this long is ended as crashed ("no step for N s
+    (hung?)"), its worker group torn down and resumed from its newest checkpoint. The worker group's collective
+    timeout (torch.distributed) is derived from it, as the backstop when no scheduler watches."""
 
 
 class Compression(StrEnum):

@@ -57,6 +57,8 @@ class Happening(StrEnum):
     """Adopted: the newest attempt never started; it is started now."""
     RETRY_REQUESTED = "retry_requested"
     """A person asked for a manual retry of a failed or cancelled run."""
+    CANNOT_FIT = "cannot_fit"
+    """Claimed, but the run needs more than the whole cluster has (and no autoscaler is configured to add it)."""
 
 
 class Decision(StrEnum):
@@ -251,6 +253,8 @@ RUN_RULES: tuple[Rule, ...] = (
     _run_rule("claim-a-broken-recipe", _on(H.RECIPE_INVALID), _states(R.queued),
               _run(R.starting, W.CLAIM), _run(R.failed, W.EVENT)),
     _run_rule("cancel-in-the-queue", _on(H.CANCELLED_IN_QUEUE), _states(R.queued), _run(R.cancelled, W.EVENT)),
+    _run_rule("claim-a-run-that-cannot-fit", _on(H.CANNOT_FIT), _states(R.queued),
+              _run(R.starting, W.CLAIM), _run(R.failed, W.EVENT)),
     _run_rule("launch-a-new-worker-group", _on(H.LAUNCHING), _states(R.recovering), _run(R.starting, W.EVENT)),
     _run_rule("launch-the-first-worker-group", _on(H.LAUNCHING), _states(R.starting)),
     _run_rule("fail-to-start-while-recovering", _on(H.START_FAILED), _states(R.recovering),

@@ -21,7 +21,7 @@ from sqlalchemy.orm import Session
 from contracts.recipe import RecipeError
 from orchestrator.policy.rules import Happening, Note, Situation, Why, resolve
 from orchestrator.policy.states import AttemptState, RunState
-from orchestrator.scheduler.context import Context, clear_claim, cpu_demand
+from orchestrator.scheduler.context import Context, cannot_fit, clear_claim, cpu_demand
 from orchestrator.scheduler.launching import launch
 from orchestrator.scheduler.outcomes import new_attempt
 from orchestrator.store.actions import cancel_queued_run
@@ -130,20 +130,22 @@ def claim(ctx: Context) -> None:
     free = ctx.launcher.free_cpus()
     if free is not None:
         free -= sum(ex.demand_cpus for ex in ctx.executions.values() if not ex.started)
+    capacity = ctx.launcher.capacity()
     for run_id in candidates:
         if slots <= 0:
             break
-        launched = _try_claim(ctx, run_id, free)
+        launched = _try_claim(ctx, run_id, free, capacity)
         if launched is not None:
             slots -= 1
             if free is not None:
                 free -= launched
 
 
-def _try_claim(ctx: Context, run_id: int, free: float | None) -> float | None:
+def _try_claim(ctx: Context, run_id: int, free: float | None,
+               capacity: dict[str, float] | None = None) -> float | None:
     """Claim one queued run and launch its pending attempt; returns its CPU demand, or None if not taken."""
     try:
-        claimed = _claim_one(ctx, run_id, free)
+        claimed = _claim_one(ctx, run_id, free, capacity)
     except NoRoom:
         return None  # rolled back: it stays queued and unclaimed for a later tick
     if claimed is None:
@@ -153,7 +155,8 @@ def _try_claim(ctx: Context, run_id: int, free: float | None) -> float | None:
     return demand
 
 
-def _claim_one(ctx: Context, run_id: int, free: float | None) -> tuple[int, float] | None:
+def _claim_one(ctx: Context, run_id: int, free: float | None,
+               capacity: dict[str, float] | None = None) -> tuple[int, float] | None:
     with transaction(ctx.sf) as s:
         if not lock_run(ctx, s, run_id, Run.state == RunState.queued.value):
             return None
@@ -171,6 +174,10 @@ def _claim_one(ctx: Context, run_id: int, free: float | None) -> tuple[int, floa
                 Why.CLAIM: Note(f"claimed by {ctx.id}"), Why.EVENT: Note(f"the stored recipe is invalid: {exc}")})
             clear_claim(run)
             return None
+        unfit = cannot_fit(recipe, capacity)
+        if unfit is not None:
+            _never_fits(ctx, s, run, unfit)
+            return None
         demand = cpu_demand(recipe)
         if free is not None and demand > free + 1e-9:
             raise NoRoom()
@@ -183,3 +190,19 @@ def _claim_one(ctx: Context, run_id: int, free: float | None) -> tuple[int, floa
         apply_transitions(session=s, resolution=claimed, run=run, notes={
             Why.EVENT: Note(f"claimed by scheduler {ctx.id}", {"attempt": attempt.number})})
         return attempt.number, demand
+
+
+def _never_fits(ctx: Context, s: Session, run: Run, why: str) -> None:
+    """A run bigger than the whole cluster says so at once: it fails with the reason, or, where an autoscaler can
+    add nodes (``cluster_autoscales``), it stays queued (unclaimed) with the reason until it fits."""
+    if ctx.settings.cluster_autoscales:
+        waiting = f"waiting for the autoscaler: {why}"
+        if run.reason != waiting:
+            log.info("run %s: %s", run.id, waiting)
+            run.reason = waiting
+        clear_claim(run)
+        return
+    unfit = resolve(Situation(Happening.CANNOT_FIT, run=RunState(run.state)))
+    apply_transitions(session=s, resolution=unfit, run=run, notes={
+        Why.CLAIM: Note(f"claimed by {ctx.id}"), Why.EVENT: Note(f"cannot run on this cluster: {why}")})
+    clear_claim(run)

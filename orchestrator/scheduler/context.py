@@ -30,6 +30,9 @@ class Execution:
     demand_cpus: float
     started: bool = False
     stop_sent_at: float | None = None
+    progress_at: float | None = None
+    """When (monotonic) this scheduler last drained events of the current attempt: the step-progress deadline
+    counts from it (None: no event yet, the group is starting up)."""
 
 
 @dataclass
@@ -65,6 +68,22 @@ def attempt_of(run: Run, number: int) -> Attempt:
 
 def cpu_demand(recipe: Recipe) -> float:
     return recipe.resources.num_workers * recipe.resources.cpus_per_worker
+
+
+def cannot_fit(recipe: Recipe, capacity: dict[str, float] | None) -> str | None:
+    """Why the run can never be placed on a cluster of ``capacity`` (None: it fits, or the capacity is unknown),
+    e.g. "needs 4096 CPUs; the cluster has 2"."""
+    if capacity is None:
+        return None
+    res = recipe.resources
+    needs = {"CPU": cpu_demand(recipe), "GPU": res.num_workers * res.gpus_per_worker if res.use_gpu else 0.0}
+    per_worker = {"CPU": res.cpus_per_worker, "GPU": res.gpus_per_worker}
+    for kind, needed in needs.items():
+        has = capacity.get(kind, 0.0)
+        if needed > has + 1e-9:
+            return (f"needs {needed:g} {kind}s; the cluster has {has:g} (resources.num_workers {res.num_workers} "
+                    f"x {kind.lower()}s_per_worker {per_worker[kind]:g})")
+    return None
 
 
 def clear_claim(run: Run) -> None:

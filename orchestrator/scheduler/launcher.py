@@ -27,6 +27,8 @@ class Launcher(Protocol):
 
     def free_cpus(self) -> float | None: ...
 
+    def capacity(self) -> dict[str, float] | None: ...
+
     def launch(self, *, name: str, run_id: int, attempt: int, launch: dict[str, Any]) -> Any: ...
 
     def attach(self, name: str) -> Any | None: ...
@@ -73,6 +75,13 @@ class RayLauncher:
 
         resources: dict[str, float] = ray.available_resources()  # type: ignore[no-untyped-call]
         return float(resources.get("CPU", 0.0))
+
+    def capacity(self) -> dict[str, float] | None:
+        """The whole cluster's CPUs and GPUs (busy or not): what a run can ever get, short of an autoscaler."""
+        import ray
+
+        total: dict[str, float] = ray.cluster_resources()  # type: ignore[no-untyped-call]
+        return {"CPU": float(total.get("CPU", 0.0)), "GPU": float(total.get("GPU", 0.0))}
 
     def launch(self, *, name: str, run_id: int, attempt: int, launch: dict[str, Any]) -> Any:
         import ray

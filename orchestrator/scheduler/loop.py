@@ -9,6 +9,7 @@ import logging
 import os
 import threading
 import time
+from collections.abc import Callable
 
 from sqlalchemy.orm import Session, sessionmaker
 
@@ -16,8 +17,9 @@ from orchestrator.scheduler.adoption import reconcile
 from orchestrator.scheduler.claims import claim, default_scheduler_id, release_leases, renew_leases
 from orchestrator.scheduler.context import Context
 from orchestrator.scheduler.launcher import Launcher, RayLauncher
+from orchestrator.scheduler.outage import OutageLog, is_outage
 from orchestrator.scheduler.service import service
-from orchestrator.scheduler.signals import stop_on_signals
+from orchestrator.scheduler.signals import reclaim_signals, stop_on_signals
 from orchestrator.settings import Settings
 
 log = logging.getLogger("ballast.scheduler")
@@ -48,6 +50,7 @@ class Scheduler:
         self._thread: threading.Thread | None = None
         self._connected = False
         self._next_reconcile = 0.0
+        self._outage = OutageLog(log)
 
     @property
     def id(self) -> str:
@@ -103,11 +106,23 @@ class Scheduler:
             self._thread.join(timeout)
             self._thread = None
 
-    def run_forever(self) -> None:
-        """The loop in this thread, until ``stop()`` (``ballast scheduler``)."""
-        self._stop.clear()
-        self._ensure_connected()
-        self._loop()
+    def run_forever(self, on_running: Callable[[], None] | None = None) -> None:
+        """Run the loop until ``stop()`` (``ballast scheduler``), this thread waiting for it.
+
+        The loop runs in its own thread (``start``), which connects to Ray: a Ray initialised from the main thread
+        installs its own SIGTERM handler (``sys.exit(15)``), and its core worker a C++ one that prints a stack
+        dump, which ``reclaim_signals`` replaces again: the caller's handlers (``stop_on_signals``) stay in charge,
+        and a SIGTERM stops the loop, which releases its leases and shuts a local Ray down before this returns.
+        ``on_running`` is called once that holds (Ray connected, the handlers reclaimed); a signal that arrives
+        while Ray is still starting meets Ray's handler.
+        """
+        self.start()
+        reclaim_signals()  # Ray's C++ SIGTERM handler (a stack dump) out, the caller's back
+        if on_running is not None:
+            on_running()
+        thread = self._thread
+        while thread is not None and thread.is_alive():
+            thread.join(0.5)
 
     def _loop(self) -> None:
         try:
@@ -115,8 +130,13 @@ class Scheduler:
                 started = time.monotonic()
                 try:
                     self.tick()
-                except Exception:  # noqa: BLE001 - the loop must outlive a bad tick (DB hiccup, Ray timeout)
-                    log.exception("scheduler tick failed")
+                except Exception as exc:  # noqa: BLE001 - the loop must outlive a bad tick (DB outage, Ray timeout)
+                    if is_outage(exc):
+                        self._outage.failed(exc)  # one line per tick, never a traceback
+                    else:
+                        log.exception("scheduler tick failed")
+                else:
+                    self._outage.succeeded()
                 elapsed = time.monotonic() - started
                 self._stop.wait(max(0.0, self.ctx.settings.scheduler_poll_seconds - elapsed))
         finally:
@@ -137,7 +157,9 @@ class Scheduler:
         for ex in list(self.ctx.executions.values()):
             try:
                 service(self.ctx, ex)
-            except Exception:  # noqa: BLE001 - one run's failure must not stall the others
+            except Exception as exc:  # noqa: BLE001 - one run's failure must not stall the others
+                if is_outage(exc):
+                    raise  # the whole tick failed: logged once, by the loop
                 log.exception("servicing run %s failed", ex.run_id)
         now = time.monotonic()
         if now >= self._next_reconcile:

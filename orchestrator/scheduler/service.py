@@ -7,6 +7,11 @@
 3. **commit**, and only then
 4. **execute** what the workers must be told (plan answers, stop, kill), remove retired checkpoint directories
    and launch the next worker group, so a scheduler that dies in between leaves a state the next one can finish.
+
+A running attempt whose events stop for ``resources.step_timeout_s`` (the step-progress deadline) is ended as
+crashed ("no step for N s (hung?)") and its worker group torn down; the crash path resumes it. Whenever a group is
+over, its checkpoint storage is reconciled with the store first (``storage``), so the policy resumes from the
+newest checkpoint on storage.
 """
 
 from __future__ import annotations
@@ -20,8 +25,10 @@ from typing import Any
 import sqlalchemy as sa
 from sqlalchemy.orm import Session
 
+from contracts.recipe import RecipeError
+from orchestrator.policy.recovery import effective_recipe
 from orchestrator.policy.rules import Note
-from orchestrator.policy.states import TERMINAL_RUN_STATES, AttemptState
+from orchestrator.policy.states import TERMINAL_ATTEMPT_STATES, TERMINAL_RUN_STATES, AttemptState
 from orchestrator.scheduler.context import Context, Execution, attempt_of
 from orchestrator.scheduler.failures import Failure
 from orchestrator.scheduler.handshake import answer_plan_request
@@ -29,6 +36,7 @@ from orchestrator.scheduler.launcher import ChannelLost
 from orchestrator.scheduler.launching import launch
 from orchestrator.scheduler.outcomes import conclude, worker_group_ended, workers_started
 from orchestrator.scheduler.retention import remove_checkpoint_dirs, retire_checkpoints
+from orchestrator.scheduler.storage import reconcile_storage
 from orchestrator.store.db import transaction
 from orchestrator.store.ingest import ingest_events
 from orchestrator.store.models import Attempt, Run
@@ -117,8 +125,33 @@ def _act_on_fit(ctx: Context, s: Session, run: Run, ex: Execution, current: Atte
         elif ex.stop_sent_at is None:
             fx.send_stop = True
     elif state in ("done", "failed"):
+        # the group is over: what it wrote that never reached the store is recorded before the policy decides
+        fx.doomed += reconcile_storage(ctx, s, run)
         fx.launch = worker_group_ended(ctx, s, run, current, fit).to_launch
+        fx.doomed += retire_checkpoints(ctx, s, run)
         fx.kill = True
+    elif state == "running" and (hang := _no_progress(ctx, run, ex, current)) is not None:
+        log.warning("run %s: attempt %s: %s; tearing its worker group down", run.id, current.number, hang)
+        fx.doomed += reconcile_storage(ctx, s, run)
+        fx.launch = conclude(ctx, s, run, current, AttemptState.crashed, Failure(hang)).to_launch
+        fx.doomed += retire_checkpoints(ctx, s, run)
+        fx.kill = True
+
+
+def _no_progress(ctx: Context, run: Run, ex: Execution, current: Attempt) -> str | None:
+    """Why the current attempt counts as hung (the step-progress deadline, ``resources.step_timeout_s``, passed
+    since its last events), or None. The clock starts with the attempt's first events: a group that never gets
+    that far is bounded by its collective timeout (the rendezvous), which the deadline also sets."""
+    if ex.progress_at is None or current.state in TERMINAL_ATTEMPT_STATES:
+        return None
+    try:
+        timeout = effective_recipe(ctx.recipe(run), current.overrides or {}).resources.step_timeout_s
+    except RecipeError:
+        return None
+    if time.monotonic() - ex.progress_at <= timeout:
+        return None
+    last = "no step yet" if current.last_step is None else f"last step {current.last_step}"
+    return f"no step for {timeout:g} s (hung?); {last}"
 
 
 def _execute(ctx: Context, ex: Execution, fx: Effects, lost: str | None) -> None:
@@ -126,13 +159,14 @@ def _execute(ctx: Context, ex: Execution, fx: Effects, lost: str | None) -> None
     for attempt, plan in fx.answers:
         if plan is not None:
             ex.attempt = int(plan["attempt"])
+            ex.progress_at = time.monotonic()  # the next attempt's clock starts with its plan
         ctx.launcher.answer_plan(ex.handle, attempt, plan)
     if fx.send_stop:
         ctx.launcher.request_stop(ex.handle)
         ex.stop_sent_at = time.monotonic()
     if fx.kill and lost is None:
         ctx.launcher.kill(ex.handle)
-    remove_checkpoint_dirs(fx.doomed, ctx.settings.checkpoint_root)
+    remove_checkpoint_dirs(sorted(set(fx.doomed)), ctx.settings.checkpoint_root)
     if fx.launch is not None:
         launch(ctx, ex.run_id, fx.launch)
 
@@ -155,6 +189,7 @@ def _ingest(ctx: Context, s: Session, run: Run, ex: Execution, events: Sequence[
         current = number == ex.attempt
         if current:
             ex.started = True
+            ex.progress_at = time.monotonic()
         workers_started(s, run, attempt, current=current,
                         note=Note(f"attempt {number} running", {"attempt": number}))
     return new_checkpoints

@@ -28,3 +28,17 @@ def stop_on_signals(stop: Callable[[], None]) -> Iterator[None]:
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
+
+
+def reclaim_signals() -> None:
+    """Put this process's own SIGINT/SIGTERM handlers back in charge after Ray connected (main thread only).
+
+    Ray's core worker installs a C-level failure handler for SIGTERM when it connects, from whichever thread; it
+    prints a C++ stack dump ("*** SIGTERM received ...") before passing the signal on. Registering the Python
+    handlers again replaces it, so an ordinary ``kill`` is an ordinary, quiet stop."""
+    if threading.current_thread() is not threading.main_thread():
+        return
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        handler = signal.getsignal(sig)
+        if handler is not None:
+            signal.signal(sig, handler)

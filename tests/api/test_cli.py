@@ -540,8 +540,10 @@ class FakeScheduler:
         self.calls.append("stop")
         self.stopped.set()
 
-    def run_forever(self) -> None:
+    def run_forever(self, on_running: Any = None) -> None:
         self.calls.append("run_forever")
+        if on_running is not None:
+            on_running()
         os.kill(os.getpid(), signal.SIGTERM)  # what `kill` or Kubernetes sends
         assert self.stopped.wait(10), "SIGTERM did not stop the scheduler"
 

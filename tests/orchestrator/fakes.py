@@ -71,8 +71,10 @@ class FakeChannel:
 
 
 class FakeLauncher:
-    def __init__(self, cpus: float = 8.0) -> None:
+    def __init__(self, cpus: float = 8.0, total_cpus: float | None = None) -> None:
         self.cpus = cpus
+        self.total_cpus = total_cpus
+        """The whole cluster (busy or not); None: ``cpus``."""
         self.channels: dict[str, FakeChannel] = {}
         self.launches: list[FakeChannel] = []
         self.lock = threading.Lock()
@@ -87,6 +89,9 @@ class FakeLauncher:
         busy = sum(c.launch["num_workers"] * c.launch["cpus_per_worker"] for c in self.channels.values()
                    if not c.killed and c.fit["state"] == "running")
         return float(self.cpus - busy)
+
+    def capacity(self) -> dict[str, float] | None:
+        return {"CPU": float(self.total_cpus if self.total_cpus is not None else self.cpus), "GPU": 0.0}
 
     def launch(self, *, name: str, run_id: int, attempt: int, launch: dict[str, Any]) -> FakeChannel:
         ch = FakeChannel(name, run_id, attempt, launch)

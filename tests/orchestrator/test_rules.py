@@ -77,6 +77,8 @@ CASES: list[tuple[Situation, str, tuple[Hop, ...], bool]] = [
     (Situation(H.RECIPE_INVALID, run=R.queued), "claim-a-broken-recipe",
      (run(R.starting, W.CLAIM), run(R.failed, W.EVENT)), False),
     (Situation(H.CANCELLED_IN_QUEUE, run=R.queued), "cancel-in-the-queue", (run(R.cancelled, W.EVENT),), False),
+    (Situation(H.CANNOT_FIT, run=R.queued), "claim-a-run-that-cannot-fit",
+     (run(R.starting, W.CLAIM), run(R.failed, W.EVENT)), False),
     (Situation(H.LAUNCHING, run=R.recovering), "launch-a-new-worker-group", (run(R.starting, W.EVENT),), False),
     (Situation(H.LAUNCHING, run=R.starting), "launch-the-first-worker-group", (), False),
     (Situation(H.START_FAILED, run=R.recovering), "fail-to-start-while-recovering",

@@ -235,3 +235,30 @@ def test_a_killed_scheduler_is_replaced_and_the_run_ends_correctly(
     assert attempt.state == "succeeded"
     # nothing lost, nothing twice: every step exactly once, although the old scheduler died mid-stream
     assert steps_of(factory, attempt.id) == list(range(max_steps))
+
+
+def test_a_hung_rank_is_noticed_by_the_step_deadline_and_the_attempt_resumed(
+    ray_cluster: Any, store: tuple[Settings, sessionmaker[Session]]
+) -> None:
+    """Rank 1 of a 2-worker gloo group sleeps forever at step 25 (rank 0 then waits in the step's collectives):
+    no step for ``step_timeout_s`` → the attempt is crashed with that reason, its group torn down, and the crash
+    path resumes it from the newest checkpoint with the same settings."""
+    settings, factory = store
+    doc = tiny_recipe(name="hung-rank", training={"max_steps": 40},
+                      resources={"num_workers": 2, "step_timeout_s": 8},
+                      faults=[{"type": "hang", "step": 25, "attempt": 1, "rank": 1}])
+    run_id = submit(factory, doc)
+    drive(Scheduler(settings, factory), factory, run_id)
+
+    with transaction(factory) as s:
+        run = s.get(Run, run_id)
+        assert run is not None and run.state == "succeeded"
+        assert (run.crash_restarts_used, run.retries_used) == (1, 0)
+    first, second = attempts_of(factory, run_id)
+    assert first.state == "crashed" and first.outcome is not None
+    assert first.outcome["error"].startswith("no step for 8 s (hung?)")
+    assert (second.kind, second.state, second.resume_step, second.overrides) == (
+        "crash_restart", "succeeded", 20, {})
+    with pytest.raises(ValueError):  # the hung group was torn down
+        ray_cluster.get_actor(first.ray_info["channel"], namespace=first.ray_info["namespace"])
+    assert steps_of(factory, second.id) == list(range(20, 40))

@@ -15,6 +15,7 @@ from contracts.recipe import (
     BatchScaleFault,
     CorruptCheckpointFault,
     GradScaleFault,
+    HangFault,
     NanLossFault,
 )
 from workers.faults import FaultInjector, InjectedCrash
@@ -78,3 +79,31 @@ def test_kill_worker_sigkills_the_process() -> None:
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert proc.returncode == -signal.SIGKILL
     assert "survived" not in proc.stdout
+
+
+class _Slept(Exception):
+    pass
+
+
+def test_hang_sleeps_forever_on_its_rank_at_its_step_only(monkeypatch: pytest.MonkeyPatch) -> None:
+    import workers.faults as faults_mod
+
+    naps: list[float] = []
+
+    class NoSleep:
+        @staticmethod
+        def sleep(seconds: float) -> None:
+            naps.append(seconds)
+            if len(naps) == 3:  # it would go on forever
+                raise _Slept
+
+    monkeypatch.setattr(faults_mod, "time", NoSleep)
+    inj = FaultInjector([HangFault(step=4, rank=1)], attempt=1, rank=1)
+    inj.before_step(3)
+    assert naps == []
+    with pytest.raises(_Slept):
+        inj.before_step(4)
+    assert len(naps) == 3
+    FaultInjector([HangFault(step=4, rank=1)], attempt=1, rank=0).before_step(4)  # another rank goes on
+    FaultInjector([HangFault(step=4, rank=1)], attempt=2, rank=1).before_step(4)  # and so does the retry
+    assert len(naps) == 3
