@@ -25,6 +25,7 @@ from orchestrator.policy.rules import Decision, Happening, Note, Situation, Why,
 from orchestrator.policy.states import TERMINAL_ATTEMPT_STATES, AttemptState, RunState
 from orchestrator.scheduler.context import Context, release_if_done
 from orchestrator.scheduler.failures import Failure
+from orchestrator.store.checkpoints import mark_corrupt
 from orchestrator.store.ingest import jsonable
 from orchestrator.store.models import Attempt, CheckpointRow, Run
 from orchestrator.store.records import StoredOutcome, end_event_data, run_checkpoints, run_history, with_verdict
@@ -145,8 +146,7 @@ def decide_next(ctx: Context, s: Session, run: Run, ended: Attempt,
             problem = verify_checkpoint(row.uri, row.sha256) if row is not None else "missing"
             if problem is not None and row is not None:
                 log.warning("run %s: checkpoint %s is unusable: %s", run.id, row.uri, problem)
-                row.verdict = {**(row.verdict or {}), "corrupt": problem}
-                s.flush()
+                mark_corrupt(s, row, problem)
                 continue
         return decision
     return GiveUp("no usable checkpoint: every candidate failed verification")
@@ -200,7 +200,7 @@ def _note_corrupt_parent(s: Session, attempt: Attempt, failure: Failure | None) 
     if "CorruptCheckpoint" in error or "corrupt checkpoint" in error:
         row = s.get(CheckpointRow, attempt.parent_checkpoint_id)
         if row is not None:
-            row.verdict = {**(row.verdict or {}), "corrupt": one_line(error)}
+            mark_corrupt(s, row, one_line(error))
 
 
 def worker_group_ended(ctx: Context, s: Session, run: Run, current: Attempt, fit: Mapping[str, Any]) -> Next:

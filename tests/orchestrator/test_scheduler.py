@@ -17,7 +17,9 @@ import sqlalchemy as sa
 from sqlalchemy.orm import Session, sessionmaker
 
 import orchestrator.scheduler.service as service_mod
+from contracts.wire import ANOMALY_KINDS
 from orchestrator.scheduler import Scheduler
+from orchestrator.store.checkpoints import CORRUPT_KIND
 from orchestrator.store.db import make_engine, make_session_factory, transaction
 from orchestrator.store.models import AnomalyRow, CheckpointRow, Event, MetricPoint, Run
 from orchestrator.store.repo import request_cancel
@@ -254,9 +256,13 @@ def test_a_corrupt_newest_checkpoint_is_skipped(
     second = attempts(session_factory, run_id)[1]
     assert (second.kind, second.resume_step) == ("crash_restart", 10)
     with transaction(session_factory) as s:
-        verdicts = {r.step: r.verdict for r in s.scalars(sa.select(CheckpointRow))}
-    assert "sha256 mismatch" in verdicts[20]["corrupt"]
-    assert "corrupt" not in verdicts[10]
+        rows = {r.step: r for r in s.scalars(sa.select(CheckpointRow))}
+        anomalies = [(a.kind, a.step, a.detector) for a in s.scalars(sa.select(AnomalyRow))]
+        assert "sha256 mismatch" in rows[20].verdict["corrupt"] and rows[20].healthy is False
+        assert "corrupt" not in rows[10].verdict and rows[10].healthy is True
+    # recorded and shown like any anomaly, on the attempt that wrote the checkpoint
+    assert ("checkpoint_corrupt", 20, "verification") in anomalies
+    assert CORRUPT_KIND in ANOMALY_KINDS
 
 
 def test_a_run_that_keeps_diverging_fails_when_its_retries_are_spent(

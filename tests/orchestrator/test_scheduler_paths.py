@@ -12,7 +12,7 @@ import sqlalchemy as sa
 from sqlalchemy.orm import Session, sessionmaker
 
 from orchestrator.store.db import transaction
-from orchestrator.store.models import Attempt, CheckpointRow, RecipeRow, Run
+from orchestrator.store.models import AnomalyRow, Attempt, CheckpointRow, RecipeRow, Run
 from tests.orchestrator.fakes import FakeLauncher, attempts, ckpt_path, load, orphan, recipe_doc, run_events, submit
 
 
@@ -149,8 +149,10 @@ def test_a_crash_loading_a_corrupt_parent_marks_it_and_goes_further_back(
     third = attempts(session_factory, run_id)[2]
     assert (third.kind, third.resume_step) == ("crash_restart", 10)
     with transaction(session_factory) as s:
-        verdicts = {r.step: r.verdict for r in s.scalars(sa.select(CheckpointRow))}
-    assert "sha256 mismatch" in verdicts[20]["corrupt"]
+        rows = {r.step: r for r in s.scalars(sa.select(CheckpointRow))}
+        kinds = [a.kind for a in s.scalars(sa.select(AnomalyRow))]
+        assert "sha256 mismatch" in rows[20].verdict["corrupt"] and rows[20].healthy is False
+    assert kinds.count("checkpoint_corrupt") == 1
 
 
 # ------------------------------------------------------------------------------------------------ adoption

@@ -1,0 +1,34 @@
+"""What the control plane learns about a stored checkpoint after it was registered: that it is corrupt.
+
+A checkpoint found unusable (its files fail verification before a resume, or a worker crashed loading it) is
+marked in one place, so every reader agrees: ``healthy`` becomes false (the API never shows ``healthy: true``
+beside a corrupt verdict), ``verdict.corrupt`` says why, and an anomaly of kind ``checkpoint_corrupt`` is
+recorded on the attempt that wrote it, so the run's anomaly list and the dashboard show what happened.
+"""
+
+from __future__ import annotations
+
+from sqlalchemy.orm import Session
+
+from orchestrator.store.models import AnomalyRow, CheckpointRow
+
+CORRUPT_KIND = "checkpoint_corrupt"
+
+
+def mark_corrupt(session: Session, row: CheckpointRow, problem: str) -> bool:
+    """Mark ``row`` corrupt with ``problem``; False (and nothing written) if it was already marked.
+
+    The anomaly's ``seq`` is the checkpoint row's id, negated: workers number their events from 1, so the
+    control plane's own anomaly can never collide with (or be deduplicated against) one a worker sends.
+    """
+    if (row.verdict or {}).get("corrupt"):
+        return False
+    row.healthy = False
+    row.verdict = {**(row.verdict or {}), "corrupt": problem}
+    session.add(AnomalyRow(
+        run_id=row.run_id, attempt_id=row.attempt_id, seq=-row.id, step=row.step, rank=0, kind=CORRUPT_KIND,
+        detector="verification", value=None, threshold=None, action="record",
+        details={"uri": row.uri, "problem": problem},
+    ))
+    session.flush()
+    return True
