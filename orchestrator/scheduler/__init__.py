@@ -30,8 +30,8 @@ from orchestrator.scheduler.context import Context, Execution
 from orchestrator.scheduler.failures import Failure, summarize_error
 from orchestrator.scheduler.launcher import ChannelLost, Launcher, RayLauncher
 from orchestrator.scheduler.loop import Scheduler, main
-from orchestrator.scheduler.outcomes import verify_checkpoint
 from orchestrator.scheduler.signals import stop_on_signals
+from orchestrator.store.checkpoints import verify_checkpoint
 
 __all__ = [
     "ChannelLost", "Context", "Execution", "Failure", "Launcher", "RayLauncher", "Scheduler",

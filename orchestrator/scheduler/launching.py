@@ -12,13 +12,15 @@ from sqlalchemy.orm import Session
 from contracts.recipe import admitted_modules
 from contracts.wire import AttemptSpec, one_line
 from orchestrator.channel import NAMESPACE
-from orchestrator.policy.recovery import effective_recipe
+from orchestrator.policy.recovery import effective_recipe, manual_retry_checkpoint
 from orchestrator.policy.rules import Happening, Note, Situation, Why, resolve
 from orchestrator.policy.states import TERMINAL_ATTEMPT_STATES, TERMINAL_RUN_STATES, AttemptState, RunState
 from orchestrator.scheduler.context import Context, Execution, attempt_of, clear_claim, cpu_demand
+from orchestrator.store.actions import MANUAL_RETRY_KIND
+from orchestrator.store.checkpoints import mark_corrupt, verify_checkpoint
 from orchestrator.store.db import transaction
 from orchestrator.store.models import Attempt, CheckpointRow, Run
-from orchestrator.store.records import with_verdict
+from orchestrator.store.records import run_checkpoints, run_history, with_verdict
 from orchestrator.store.transitions import apply_transitions
 
 log = logging.getLogger("ballast.scheduler")
@@ -82,6 +84,8 @@ def _prepare(ctx: Context, s: Session, run_id: int, number: int) -> tuple[str, d
     run = s.get(Run, run_id, populate_existing=True)
     assert run is not None
     attempt = attempt_of(run, number)
+    if attempt.kind == MANUAL_RETRY_KIND:
+        verify_manual_resume(s, run, attempt)
     spec = spec_dict(ctx, s, run, attempt)
     recipe = ctx.recipe(run)
     res = recipe.resources
@@ -107,6 +111,32 @@ def _prepare(ctx: Context, s: Session, run_id: int, number: int) -> tuple[str, d
     if ctx.train_fn:
         doc["train_fn"] = ctx.train_fn
     return name, doc, cpu_demand(recipe)
+
+
+def verify_manual_resume(s: Session, run: Run, attempt: Attempt) -> None:
+    """A manual retry's checkpoint was chosen by the API, which need not see checkpoint storage: verify it here,
+    before a worker loads it. A corrupt one is marked (``mark_corrupt``) and the lineage rule asked again, so the
+    attempt resumes from the next valid checkpoint (or initialisation) instead of burning a crash restart."""
+    while attempt.parent_checkpoint_id is not None:
+        row = s.get(CheckpointRow, attempt.parent_checkpoint_id)
+        problem = verify_checkpoint(row.uri, row.sha256) if row is not None else "missing"
+        if problem is None:
+            return
+        step = row.step if row is not None else attempt.resume_step
+        if row is not None:
+            mark_corrupt(s, row, problem)
+        resume = manual_retry_checkpoint(run_history(run), run_checkpoints(s, run))
+        attempt.parent_checkpoint_id = resume.id if resume is not None else None
+        attempt.resume_step = resume.step if resume is not None else 0
+        plan = dict(attempt.plan or {})
+        plan["resume_uri"] = resume.uri if resume is not None else None
+        if resume is None:
+            plan["rewarm_steps"] = 0
+        attempt.plan = plan
+        where = f"step {resume.step}" if resume is not None else "initialisation"
+        attempt.reason = (f"{attempt.reason}; the step-{step} checkpoint failed verification ({one_line(problem)}), "
+                          f"resuming from {where}")
+        s.flush()
 
 
 def fail_start(ctx: Context, run_id: int, number: int, reason: str) -> None:

@@ -16,8 +16,6 @@ from typing import Any
 
 from sqlalchemy.orm import Session
 
-from contracts import checkpoint as contracts_checkpoint
-from contracts.checkpoint import CorruptCheckpoint, local_dir
 from contracts.recipe import RecipeError
 from contracts.wire import one_line
 from orchestrator.policy.recovery import GiveUp, RecoveryPlan, decide
@@ -25,7 +23,7 @@ from orchestrator.policy.rules import Decision, Happening, Note, Situation, Why,
 from orchestrator.policy.states import TERMINAL_ATTEMPT_STATES, AttemptState, RunState
 from orchestrator.scheduler.context import Context, release_if_done
 from orchestrator.scheduler.failures import Failure
-from orchestrator.store.checkpoints import mark_corrupt
+from orchestrator.store.checkpoints import mark_corrupt, verify_checkpoint
 from orchestrator.store.ingest import jsonable
 from orchestrator.store.models import Attempt, CheckpointRow, Run
 from orchestrator.store.records import StoredOutcome, end_event_data, run_checkpoints, run_history, with_verdict
@@ -150,22 +148,6 @@ def decide_next(ctx: Context, s: Session, run: Run, ended: Attempt,
                 continue
         return decision
     return GiveUp("no usable checkpoint: every candidate failed verification")
-
-
-def verify_checkpoint(uri: str, sha256: str | None) -> str | None:
-    """Why a checkpoint cannot be resumed from, or None if it can (or cannot be checked from here).
-
-    Local directories are verified fully (manifest checksum, recorded digest, every file's size and sha256),
-    so a corrupt newest checkpoint costs no failed attempt. Remote URIs are left to the worker's verified load.
-    """
-    path = local_dir(uri)
-    if path is None:
-        return None
-    try:
-        contracts_checkpoint.verify_checkpoint(path, expected_sha256=sha256 or None)
-    except CorruptCheckpoint as exc:
-        return exc.reason
-    return None
 
 
 def attempt_from_plan(s: Session, run: Run, plan: RecoveryPlan) -> Attempt:

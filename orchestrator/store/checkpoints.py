@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from sqlalchemy.orm import Session
 
+from contracts import checkpoint as contracts_checkpoint
+from contracts.checkpoint import CorruptCheckpoint, local_dir
 from orchestrator.store.models import AnomalyRow, CheckpointRow
 
 CORRUPT_KIND = "checkpoint_corrupt"
@@ -32,3 +34,19 @@ def mark_corrupt(session: Session, row: CheckpointRow, problem: str) -> bool:
     ))
     session.flush()
     return True
+
+
+def verify_checkpoint(uri: str, sha256: str | None) -> str | None:
+    """Why a checkpoint cannot be resumed from, or None if it can (or cannot be checked from here).
+
+    Local directories are verified fully (manifest checksum, recorded digest, every file's size and sha256),
+    so a corrupt newest checkpoint costs no failed attempt. Remote URIs are left to the worker's verified load.
+    """
+    path = local_dir(uri)
+    if path is None:
+        return None
+    try:
+        contracts_checkpoint.verify_checkpoint(path, expected_sha256=sha256 or None)
+    except CorruptCheckpoint as exc:
+        return exc.reason
+    return None

@@ -22,7 +22,7 @@ from orchestrator.scheduler import Scheduler
 from orchestrator.store.checkpoints import CORRUPT_KIND
 from orchestrator.store.db import make_engine, make_session_factory, transaction
 from orchestrator.store.models import AnomalyRow, CheckpointRow, Event, MetricPoint, Run
-from orchestrator.store.repo import request_cancel
+from orchestrator.store.repo import request_cancel, request_retry
 from tests.orchestrator.fakes import (
     FakeChannel,
     FakeLauncher,
@@ -263,6 +263,42 @@ def test_a_corrupt_newest_checkpoint_is_skipped(
     # recorded and shown like any anomaly, on the attempt that wrote the checkpoint
     assert ("checkpoint_corrupt", 20, "verification") in anomalies
     assert CORRUPT_KIND in ANOMALY_KINDS
+
+
+def test_a_manual_retry_verifies_its_checkpoint_before_launch(
+    session_factory: sessionmaker[Session], make_scheduler: Any, launcher: FakeLauncher, tmp_path: Path
+) -> None:
+    """The API picks a manual retry's checkpoint without reading storage; the scheduler verifies it at launch, so
+    a corrupt one is marked and the next valid one used, with no crash restart spent on it."""
+    run_id = submit(session_factory, recipe_doc(recovery={"max_crash_restarts": 0}))
+    scheduler = make_scheduler()
+    scheduler.tick()
+    ch = launcher.of_run(run_id)[0]
+    for step in (10, 20):
+        ch.checkpoint(1, step, tmp_path / "ckpt")
+    ch.fit = {"state": "failed", "error": "RuntimeError: boom"}
+    scheduler.tick()
+    assert load(session_factory, run_id).state == "failed"  # no crash restarts allowed
+    data = Path(ckpt_path(tmp_path, 20)) / "model.pt"
+    raw = bytearray(data.read_bytes())
+    raw[-5] ^= 0xFF
+    data.write_bytes(bytes(raw))
+    with transaction(session_factory) as s:
+        run = s.get(Run, run_id)
+        assert run is not None
+        retry = request_retry(session=s, run=run, by="alice")
+        assert retry.resume_step == 20  # what the API could see: the newest healthy checkpoint
+    scheduler.tick()
+    manual = attempts(session_factory, run_id)[-1]
+    assert (manual.kind, manual.resume_step) == ("manual", 10)
+    assert "step-20 checkpoint failed verification" in (manual.reason or "")
+    assert launcher.of_run(run_id)[-1].launch["spec"]["resume_from"] == ckpt_path(tmp_path, 10)
+    with transaction(session_factory) as s:
+        row20 = s.scalars(sa.select(CheckpointRow).where(CheckpointRow.step == 20)).one()
+        assert row20.healthy is False and "sha256 mismatch" in row20.verdict["corrupt"]
+        kinds = [a.kind for a in s.scalars(sa.select(AnomalyRow).where(AnomalyRow.run_id == run_id))]
+    assert kinds.count(CORRUPT_KIND) == 1
+    assert load(session_factory, run_id).crash_restarts_used == 0
 
 
 def test_a_run_that_keeps_diverging_fails_when_its_retries_are_spent(
