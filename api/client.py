@@ -1,5 +1,6 @@
 """The Ballast client: one typed client for the REST API (``/api/v1``), public as ``ballast.Client`` and used by
-the ``ballast`` CLI.
+the ``ballast`` CLI. (One class of ~420 lines on purpose: one method per endpoint, each a few lines, so a user
+reads the whole API surface in one place; the shapes live in ``api/schemas.py``.)
 
 It speaks plain JSON dicts (the server's response models, ``api/schemas.py``, are the contract: ``RunRead`` /
 ``RunDetail``, ``AttemptRead``, ``CheckpointRead``, ...) and turns every failure into one of three exceptions with

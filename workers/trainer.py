@@ -19,6 +19,10 @@ the training RNG nor the data stream, so the training trajectory is bit-identica
 
 The components it calls live in their own modules: clipping, precision, schedule, detectors, faults, comm hooks
 (``comm``), checkpoint contents (``checkpointing``). ``workers/entry.py`` runs it in a process or on Ray Train.
+
+Why one file of ~450 lines: it is the step, read top to bottom, and its methods share one attempt's state
+(model, optimizer, scaler, detector suite, result); every computation with a rule of its own already lives in
+the modules above, and what is left here is the order in which they run.
 """
 
 from __future__ import annotations
