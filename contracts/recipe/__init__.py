@@ -6,6 +6,7 @@ into a ``Recipe``; ``imports`` is the one allow-list rule for ``module:function`
 """
 
 from contracts.recipe.base import API_VERSION, DEFAULT_MAX_RECIPE_BYTES, KIND, Section
+from contracts.recipe.code import Code
 from contracts.recipe.data import (
     CustomData,
     DataSpec,
@@ -83,7 +84,7 @@ from contracts.recipe.training import (
 
 __all__ = [
     "API_VERSION", "DEFAULT_MAX_RECIPE_BYTES", "KIND", "SCHEDULE_PRESETS", "Action", "Activation", "BatchScaleFault",
-    "Checkpoint", "ClipMethod", "Clipping", "Compression", "CorruptCheckpointFault", "CrossFieldErrors",
+    "Checkpoint", "ClipMethod", "Code", "Clipping", "Compression", "CorruptCheckpointFault", "CrossFieldErrors",
     "CustomData", "CustomModel", "DType", "DataSpec", "Decay", "DeepMLPModel", "Detectors", "Distributed", "Fault",
     "FieldError", "GradNormSpikeDetector", "GradScaleFault", "KillWorkerFault", "LinearModel", "LossScaling",
     "LossSpikeDetector", "MarkovData", "ModelSpec", "NanLossFault", "NonFiniteDetector", "NormPosition", "Optimizer",

@@ -78,9 +78,13 @@ class RayLauncher:
         import ray
 
         cls = channel_actor_class()
-        handle = cls.options(name=name, namespace=NAMESPACE, lifetime="detached", get_if_exists=True).remote(
-            run_id, attempt
-        )
+        # the recipe's ``code`` (Ray's runtime_env) is the actor's: its preflight task, the Train controller and
+        # the workers inherit it
+        options: dict[str, Any] = {"name": name, "namespace": NAMESPACE, "lifetime": "detached",
+                                   "get_if_exists": True}
+        if launch.get("runtime_env"):
+            options["runtime_env"] = launch["runtime_env"]
+        handle = cls.options(**options).remote(run_id, attempt)
         status = ray.get(handle.fit_status.remote(), timeout=60)
         if status.get("state") == "idle":  # get_if_exists found nothing running: this call starts it
             ray.get(handle.start.remote(launch), timeout=60)
