@@ -205,7 +205,10 @@ class RunChannel:
 
     def _run_fit(self, launch: dict[str, Any], handle: Any) -> None:
         if launch.get("preflight"):
-            result = run_preflight(launch)
+            try:
+                result = run_preflight(launch)
+            except Exception as exc:  # noqa: BLE001 - a broken probe must never keep the fit from starting
+                result = {"status": PREFLIGHT_INCONCLUSIVE, "seconds": None, "error": _format_error(exc)}
             self._fit = {**self._fit, "preflight": result}
             if result["status"] == PREFLIGHT_CONFIG_ERROR:
                 self._fit = {"state": "failed", "error": result["error"], "config_error": result["error"],
@@ -250,13 +253,15 @@ def run_preflight(launch: Mapping[str, Any]) -> dict[str, Any]:
 
     options = dict(launch.get("preflight") or {})
     timeout = float(options.get("timeout_s") or 300.0)
-    task = ray.remote(probe).options(num_cpus=float(options.get("num_cpus", 1.0)), max_calls=1, max_retries=0)
     started = time.monotonic()
-    ref = task.remote(dict(launch["spec"]), int(launch["num_workers"]))
+    ref = None
     try:
+        task = ray.remote(num_cpus=float(options.get("num_cpus", 1.0)), max_calls=1, max_retries=0)(probe)
+        ref = task.remote(dict(launch["spec"]), int(launch["num_workers"]))
         result: dict[str, Any] = ray.get(ref, timeout=timeout)
     except ray.exceptions.GetTimeoutError:
-        ray.cancel(ref, force=True)
+        if ref is not None:
+            ray.cancel(ref, force=True)
         result = {"status": PREFLIGHT_INCONCLUSIVE, "error": f"the probe did not finish within {timeout:g} s"}
     except Exception as exc:  # noqa: BLE001 - Ray could not run the probe: not the recipe's fault
         result = {"status": PREFLIGHT_INCONCLUSIVE,

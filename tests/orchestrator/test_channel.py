@@ -85,6 +85,20 @@ def test_the_preflight_runs_before_the_trainer_and_a_config_error_starts_none(
         ("data.factory: x", "preflight") if status == "config_error" else (None, None))
 
 
+def test_a_broken_probe_never_keeps_the_fit_from_starting(monkeypatch: pytest.MonkeyPatch) -> None:
+    calls: list[str] = []
+
+    def broken(launch: Any) -> dict[str, Any]:
+        raise ValueError("bad options")
+
+    monkeypatch.setattr(channel_mod, "run_preflight", broken)
+    monkeypatch.setattr(channel_mod, "run_torch_trainer", lambda launch, handle: calls.append("trainer"))
+    ch = RunChannel(run_id=7, first_attempt=1)
+    ch._run_fit({"preflight": {"timeout_s": 5}}, None)
+    assert calls == ["trainer"]
+    assert ch.fit_status()["state"] == "done" and ch.fit_status()["preflight"]["status"] == "inconclusive"
+
+
 def test_no_preflight_unless_the_launch_asks(monkeypatch: pytest.MonkeyPatch) -> None:
     calls: list[str] = []
     monkeypatch.setattr(channel_mod, "run_preflight", lambda launch: calls.append("preflight"))
