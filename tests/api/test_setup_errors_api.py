@@ -48,6 +48,15 @@ def test_an_oversized_seed_is_422_naming_it_in_yaml_and_json(
     assert _count(session_factory) == 0
 
 
+def test_a_seed_the_engine_cannot_derive_rank_seeds_from_is_422(
+    client: TestClient, session_factory: sessionmaker[Session]
+) -> None:
+    """Within 64 bits, but ``seed * 1009 + rank`` would overflow torch's generator on the workers."""
+    doc = {**JSON_RECIPE, "training": {"max_steps": 100, "seed": 2**62}}
+    assert "less than or equal to" in _refused(post_json(client, doc), "training.seed")
+    assert _count(session_factory) == 0
+
+
 def test_a_factory_off_the_allow_list_is_refused_at_submit(
     make_client: Callable[..., TestClient], session_factory: sessionmaker[Session]
 ) -> None:
