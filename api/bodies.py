@@ -30,6 +30,7 @@ from contracts.recipe import (
     recipe_to_dict,
     validate_recipe_data,
 )
+from orchestrator.runtime_env import code_refusals
 from orchestrator.settings import Settings
 from orchestrator.store.repo import content_hash
 
@@ -189,6 +190,9 @@ def parse_recipe_body(body: bytes, fmt: str, settings: Settings) -> SubmittedRec
         raise RecipeError([FieldError("<recipe>", f"a value cannot be represented as JSON ({exc})")]) from None
     problems: list[FieldError] = []
     _reject_unstorable(normalised, "", problems)
+    # what this server's settings refuse (``code.pip``); whether code paths exist is the scheduler's to check,
+    # on its own host, at launch (``orchestrator.runtime_env``)
+    problems += [FieldError(path, message) for path, message in code_refusals(recipe.code, settings)]
     if problems:
         raise RecipeError(problems)
     return SubmittedRecipe(recipe, normalised, content_hash(normalised), text)

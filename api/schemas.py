@@ -14,7 +14,7 @@ from typing import Annotated, Any, Generic, Literal, TypeVar
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, WithJsonSchema
 
 from contracts.recipe import Recipe
-from orchestrator.policy.states import AttemptState, RunState
+from orchestrator.policy.states import AttemptState, FailureKind, RunState
 
 T = TypeVar("T")
 
@@ -146,6 +146,12 @@ class RunRead(_Read):
     current_attempt: int = Field(description="Number of the newest attempt (0 before the first one starts).")
     cancel_requested: bool = Field(description="A cancel was requested; the scheduler is stopping the run.")
     reason: str | None = Field(description="Why the run is in its state (the last transition's reason).")
+    failure_kind: FailureKind | None = Field(
+        default=None,
+        description="A failed run's kind of failure: `config_error` (the recipe cannot run as written: a setup "
+        "error no retry fixes; `reason` names the field), `gave_up` (the recovery policy gave up), "
+        "`start_failed` (the attempt could not start), `lost`; null unless failed.",
+    )
     created_at: datetime
     updated_at: datetime
     started_at: datetime | None

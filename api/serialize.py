@@ -11,7 +11,7 @@ from orchestrator.store.models import AnomalyRow, CheckpointRow, MetricPoint, Ru
 
 _RUN_KEYS = (
     "id", "name", "owner", "state", "recipe_id", "idempotency_key", "current_attempt", "cancel_requested", "reason",
-    "created_at", "updated_at", "started_at", "ended_at",
+    "failure_kind", "created_at", "updated_at", "started_at", "ended_at",
 )
 _SUMMARY_KEYS = ("best_loss", "last_step", "retries_used", "crash_restarts_used")
 _ANOMALY_COLUMNS = (

@@ -40,7 +40,11 @@ ANOMALY_KINDS = (
 )
 """Every ``kind`` an ``anomaly`` event can carry. A ``Finding`` of any other kind is refused when it is made, so
 a new kind must be added here, where the API's ``?kind=`` filter learns it."""
-OUTCOMES = ("succeeded", "diverged", "cancelled")
+CONFIG_ERROR = "config_error"
+"""The outcome of an attempt that cannot run as configured: a deterministic setup error (a factory that cannot be
+imported or breaks the model/data contract, a setting the engine refuses). Retrying cannot help, so the run fails
+at once (no crash restarts); ``reason`` names the field."""
+OUTCOMES = ("succeeded", "diverged", "cancelled", CONFIG_ERROR)
 """What an attempt can end as on the worker side (a crash never reaches an ``end`` event)."""
 
 
@@ -58,12 +62,25 @@ def one_line(text: Any, limit: int = 300, *, empty: str = "no details") -> str:
     return line if len(line) <= limit else line[: limit - 1] + "…"
 
 
+class SetupConfigError(Exception):
+    """Raised by every rank of a Ray Train worker group whose setup hit a deterministic config error, after rank 0
+    reported it as a ``config_error`` end event: the group fails at once (no rank waits in a collective for one
+    that gave up), and the scheduler knows the failure by this class's name even when no end event arrived."""
+
+    def __init__(self, message: str) -> None:
+        self.message = message
+        super().__init__(message)
+
+    def __reduce__(self) -> tuple[Any, ...]:  # picklable across Ray's process boundary
+        return (type(self), (self.message,))
+
+
 @dataclass(frozen=True, kw_only=True)
 class EndEvent:
     """The ``end`` event: how an attempt ended, as the control plane receives it."""
 
     outcome: str
-    """succeeded | diverged | cancelled"""
+    """succeeded | diverged | cancelled | config_error"""
     final_step: int
     """Completed (applied or skipped) steps when the attempt ended."""
     onset_step: int | None = None
@@ -184,7 +201,7 @@ class AttemptOutcome:
     """
 
     outcome: str
-    """succeeded | diverged | cancelled"""
+    """succeeded | diverged | cancelled | config_error"""
     attempt: int
     start_step: int
     final_step: int

@@ -16,6 +16,14 @@ The in-place recovery handshake: rank 0 of a diverged attempt calls ``request_pl
 polls ``get_plan(attempt)``; the scheduler sees the request in ``poll()``, records the decision and calls
 ``answer_plan(attempt, plan_or_None)``. ``None`` means "end the attempt; the scheduler restarts or gives up".
 
+Before the fit, when the launch asks for it (a run's first attempt, a manual retry), the channel runs the
+**preflight probe** (:func:`run_preflight`): ``workers.preflight.probe`` as a small Ray task (one CPU at most,
+``max_calls=1`` so its process and what it imported go away with it) that builds rank 0's data and model and runs
+one forward. It has finished before the ``TorchTrainer`` is built, so it never holds what the worker group needs.
+A config error it finds ends the fit at once (``{"state": "failed", "config_error": message}``) without starting
+a trainer; a probe that times out or fails for another reason is inconclusive and the fit goes ahead. Its result
+is in the fit status as ``preflight`` (``status``, ``seconds``, ``error``).
+
 When the fit fails, the channel keeps the error as text and, when Ray Train reports per-rank failures
 (``ray.train.WorkerGroupError.worker_failures``: rank → exception), also as plain :class:`WorkerFailure`
 records, so the scheduler summarises a crash from structure rather than from the text
@@ -32,6 +40,8 @@ import traceback
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 from typing import Any
+
+from contracts.wire import one_line
 
 NAMESPACE = "ballast"
 """Ray namespace of the channel actors (named, detached)."""
@@ -209,6 +219,17 @@ class RunChannel:
         self._thread.start()
 
     def _run_fit(self, launch: dict[str, Any], handle: Any) -> None:
+        if launch.get("preflight"):
+            try:
+                result = run_preflight(launch)
+            except Exception as exc:  # noqa: BLE001 - a broken probe must never keep the fit from starting
+                result = {"status": PREFLIGHT_INCONCLUSIVE, "seconds": None, "error": _format_error(exc)}
+            self._fit = {**self._fit, "preflight": result}
+            if result["status"] == PREFLIGHT_CONFIG_ERROR:
+                self._fit = {"state": "failed", "error": result["error"], "config_error": result["error"],
+                             "stage": "preflight", "preflight": result, "ended": time.time()}
+                return
+        preflight = self._fit.get("preflight")
         try:
             run_torch_trainer(launch, handle)
         except BaseException as exc:  # noqa: BLE001 - every failure must reach the scheduler as plain data
@@ -216,6 +237,8 @@ class RunChannel:
                          "worker_failures": [f.to_dict() for f in worker_failures(exc)]}
         else:
             self._fit = {"state": "done", "error": None, "ended": time.time()}
+        if preflight is not None:
+            self._fit["preflight"] = preflight
 
     def _self_handle(self) -> Any:
         import ray
@@ -228,6 +251,38 @@ def _format_error(exc: BaseException) -> str:
     if len(text) > MAX_ERROR_CHARS:
         text = text[: MAX_ERROR_CHARS // 2] + "\n…\n" + text[-MAX_ERROR_CHARS // 2 :]
     return text
+
+
+PREFLIGHT_OK, PREFLIGHT_CONFIG_ERROR, PREFLIGHT_INCONCLUSIVE = "ok", "config_error", "inconclusive"
+"""A preflight's ``status``: the setup works; a deterministic setup error (the run fails); the probe itself
+failed or timed out (not the recipe's fault: the attempt starts anyway)."""
+
+
+def run_preflight(launch: Mapping[str, Any]) -> dict[str, Any]:
+    """The preflight probe for ``launch`` as a Ray task; never raises. ``{"status", "seconds", "error"}``.
+
+    The task inherits this actor's ``runtime_env`` (the recipe's ``code``), so it imports what the workers will."""
+    import ray
+
+    from workers.preflight import probe
+
+    options = dict(launch.get("preflight") or {})
+    timeout = float(options.get("timeout_s") or 300.0)
+    started = time.monotonic()
+    ref = None
+    try:
+        task = ray.remote(num_cpus=float(options.get("num_cpus", 1.0)), max_calls=1, max_retries=0)(probe)
+        ref = task.remote(dict(launch["spec"]), int(launch["num_workers"]))
+        result: dict[str, Any] = ray.get(ref, timeout=timeout)
+    except ray.exceptions.GetTimeoutError:
+        if ref is not None:
+            ray.cancel(ref, force=True)
+        result = {"status": PREFLIGHT_INCONCLUSIVE, "error": f"the probe did not finish within {timeout:g} s"}
+    except Exception as exc:  # noqa: BLE001 - Ray could not run the probe: not the recipe's fault
+        result = {"status": PREFLIGHT_INCONCLUSIVE,
+                  "error": f"the probe could not run: {type(exc).__name__}: {one_line(exc, 500)}"}
+    return {"status": result["status"], "seconds": round(time.monotonic() - started, 3),
+            "error": result.get("error")}
 
 
 def run_torch_trainer(launch: Mapping[str, Any], channel: Any) -> None:

@@ -81,6 +81,23 @@ class Settings(BaseSettings):
     metrics_every_steps: int = Field(
         default=1, ge=1, description="Downsampling of per-step metrics written to the store (1 = every step)."
     )
+    preflight_timeout_seconds: float = Field(
+        default=300.0, ge=0, le=3600,
+        description="Before a run's first attempt, a small Ray task imports its factories, builds rank 0's data "
+        "and model and runs one forward, so a recipe that cannot run fails in seconds as `config_error`; this is "
+        "how long it may take (including a `code` runtime env's setup) before the attempt starts anyway. 0 turns "
+        "the probe off.",
+    )
+    runtime_env: dict[str, Any] = Field(
+        default_factory=dict,
+        description="The operator's Ray `runtime_env` (JSON) for every worker group and preflight probe; a "
+        "recipe's `code` section is merged over it (py_modules and pip appended).",
+    )
+    allow_runtime_pip: bool = Field(
+        default=False,
+        description="Whether a recipe's `code.pip` may install packages on the cluster (refused at submit "
+        "otherwise).",
+    )
 
     @field_validator("database_url")
     @classmethod

@@ -5,6 +5,12 @@ hands back an in-place recovery plan (``PlanningSink.request_plan``, rank 0 only
 next attempt from the plan's checkpoint with its overrides. A plain process is world size 1 or a rank of an
 already initialised ``torch.distributed`` group; under Ray Train the ranks come from the train context and
 checkpoints leave through ``ray.train.report``.
+
+Under Ray Train a deterministic setup error (``workers.preflight.CONFIG_ERRORS``: a factory that cannot be
+imported or breaks the contract, a setting the engine refuses) is classified here: rank 0 reports it as a
+``config_error`` end event naming the field, and every rank raises ``SetupConfigError``, so the group ends at once
+and the scheduler fails the run instead of restarting it as a crash. ``run_attempt`` (a plain process, ``ballast
+train``) lets the original exception through.
 """
 
 from __future__ import annotations
@@ -16,10 +22,11 @@ from typing import Any
 import torch
 
 from contracts.overrides import apply_overrides
-from contracts.wire import AttemptOutcome, AttemptSpec
+from contracts.wire import CONFIG_ERROR, AttemptOutcome, AttemptSpec, SetupConfigError, one_line
 from workers.checkpointing import materialize
 from workers.comm import EngineConfigError
 from workers.context import WorkerContext, broadcast_object, plain_context
+from workers.preflight import CONFIG_ERRORS, MESSAGE_LIMIT
 from workers.sinks import EventSink
 from workers.trackers import TrackerExport
 from workers.trainer import GuardedTrainer
@@ -109,12 +116,28 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
         ray_train=True, checkpoint_uri_prefix=config.get("checkpoint_uri_prefix"),
     )
     sink = config.get("sink") if ctx.is_main else None
-    restored = ray.train.get_checkpoint()
-    if restored is not None:  # Ray Train restarted this worker group: continue from its newest checkpoint
-        with restored.as_directory() as path:
-            run_attempts(spec, ctx, sink, str(path))
-        return
-    run_attempts(spec, ctx, sink, spec.resume_from)
+    try:
+        restored = ray.train.get_checkpoint()
+        if restored is not None:  # Ray Train restarted this worker group: continue from its newest checkpoint
+            with restored.as_directory() as path:
+                run_attempts(spec, ctx, sink, str(path))
+            return
+        run_attempts(spec, ctx, sink, spec.resume_from)
+    except CONFIG_ERRORS as exc:
+        raise report_config_error(exc, spec, sink) from exc
 
 
-__all__ = ["EngineConfigError", "next_spec", "run_attempt", "run_attempts", "train_loop_per_worker"]
+def report_config_error(exc: Exception, spec: AttemptSpec, sink: EventSink | None) -> SetupConfigError:
+    """A deterministic setup error: rank 0 (the one with a sink) reports it as the attempt's ``config_error``
+    end; the ``SetupConfigError`` returned is what every rank raises."""
+    message = one_line(exc, MESSAGE_LIMIT)
+    if sink is not None:
+        ended = AttemptOutcome(outcome=CONFIG_ERROR, attempt=spec.attempt, start_step=0, final_step=0,
+                               reason=message)
+        sink.emit("end", ended.end_event())
+        sink.flush()
+    return SetupConfigError(message)
+
+
+__all__ = ["EngineConfigError", "next_spec", "report_config_error", "run_attempt", "run_attempts",
+           "train_loop_per_worker"]

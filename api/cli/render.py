@@ -56,9 +56,14 @@ def step_of(summary: Mapping[str, Any]) -> str:
 
 
 def state_style(state: str) -> str:
-    return {"succeeded": "bold green", "failed": "bold red", "cancelled": "bold red", "recovering": "bold yellow"}.get(
-        state, "bold"
-    )
+    return {"succeeded": "bold green", "failed": "bold red", "cancelled": "bold red", "recovering": "bold yellow",
+            "config_error": "bold red"}.get(state, "bold")
+
+
+def failed_as(run: Mapping[str, Any]) -> str:
+    """`` [config_error]`` after a failed run's state (its kind of failure), else nothing."""
+    kind = run.get("failure_kind")
+    return f" [{kind}]" if kind and run.get("state") == "failed" else ""
 
 
 def anomaly_line(a: Mapping[str, Any]) -> str:

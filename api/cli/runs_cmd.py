@@ -12,6 +12,7 @@ from rich.text import Text
 from api.cli.app import app, fail
 from api.cli.options import CursorOpt, JsonOpt, RunArg, TokenOpt, UrlOpt, connect, console, echo_json
 from api.cli.render import (
+    failed_as,
     number,
     outcome_text,
     overrides_text,
@@ -105,7 +106,7 @@ def runs_show(run_id: RunArg, url: UrlOpt = None, token: TokenOpt = None, as_jso
     out = console()
     out.print(
         Text.assemble((f"run {run['id']} ", "bold"), (run["name"], "cyan"), "  ",
-                      (run["state"].upper(), state_style(run["state"])))
+                      (run["state"].upper(), state_style(run["state"])), failed_as(run))
     )
     kinds = ", ".join(f"{k} {v}" for k, v in sorted((s.get("anomalies_by_kind") or {}).items())) or "none"
     rows = [

@@ -21,7 +21,7 @@ from rich.table import Table
 from rich.text import Text
 
 from api.cli.options import connect, console, echo_json
-from api.cli.render import anomaly_line, number, outcome_text, state_style
+from api.cli.render import anomaly_line, failed_as, number, outcome_text, state_style
 from api.client import ApiError, BallastClient, ClientError
 from orchestrator.policy.states import TERMINAL_ATTEMPT_STATES, TERMINAL_RUN_STATES
 
@@ -271,7 +271,7 @@ def _closing_line(run: dict[str, Any]) -> str:
     if summary.get("best_loss") is not None:
         tail += f", best loss {number(summary['best_loss'])}"
     reason = f": {run['reason']}" if run.get("reason") and state != "succeeded" else ""
-    return f"run {run['id']} {state.upper()} ({tail}){reason}"
+    return f"run {run['id']} {state.upper()}{failed_as(run)} ({tail}){reason}"
 
 
 def watch(

@@ -6,6 +6,7 @@ into a ``Recipe``; ``imports`` is the one allow-list rule for ``module:function`
 """
 
 from contracts.recipe.base import API_VERSION, DEFAULT_MAX_RECIPE_BYTES, KIND, Section
+from contracts.recipe.code import Code
 from contracts.recipe.data import (
     CustomData,
     DatasetData,
@@ -95,7 +96,7 @@ __all__ = [
     "BUILTIN_MODELS", "CrossEntropyLoss", "CustomLoss", "DatasetData", "HFCausalLMModel", "LoRA", "LossSpec", "MSELoss",
     "ModelLoss", "NoDecay", "TokenDType", "TokensFileData",
     "API_VERSION", "DEFAULT_MAX_RECIPE_BYTES", "KIND", "SCHEDULE_PRESETS", "Action", "Activation", "BatchScaleFault",
-    "Checkpoint", "ClipMethod", "Clipping", "Compression", "CorruptCheckpointFault", "CrossFieldErrors",
+    "Checkpoint", "ClipMethod", "Clipping", "Code", "Compression", "CorruptCheckpointFault", "CrossFieldErrors",
     "CustomData", "CustomModel", "DType", "DataSpec", "Decay", "DeepMLPModel", "Detectors", "Distributed",
     "Exporter", "Fault", "FieldError", "GradNormSpikeDetector", "GradScaleFault", "HangFault", "KillWorkerFault",
     "LinearModel",

@@ -7,6 +7,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, Field, model_validator
 
 from contracts.recipe.base import API_VERSION, DATA_NAMES, KIND, LOSS_NAMES, MODEL_NAMES, Section
+from contracts.recipe.code import Code
 from contracts.recipe.data import COMPATIBLE_DATA, USER_DATA, DataSpec, MarkovData
 from contracts.recipe.detectors import Action, Detectors
 from contracts.recipe.faults import Fault
@@ -69,6 +70,8 @@ class Recipe(Section):
     """Workers and their resources."""
     distributed: Distributed = Field(default_factory=Distributed)
     """Data-parallel options."""
+    code: Code = Field(default_factory=Code)
+    """Your own code (the package of a custom model or data factory), shipped to the Ray workers."""
     faults: list[Fault] = Field(default_factory=list, max_length=64)
     """Injected faults (tests and demos)."""
 

@@ -17,8 +17,9 @@ class Training(Section):
     """Micro-batch size per worker."""
     grad_accum_steps: StrictInt = Field(default=1, ge=1, le=4096)
     """Micro-batches accumulated per optimizer step."""
-    seed: StrictInt = Field(default=0, ge=0)
-    """Seed for initialisation and the data stream."""
+    seed: StrictInt = Field(default=0, ge=0, le=2**53 - 1)
+    """Seed for initialisation and the data stream; at most 2**53 - 1, so that every rank's derived seed fits
+    torch's 64-bit generator (and the dashboard shows it exactly)."""
     eval_interval: StrictInt = Field(default=0, ge=0)
     """Evaluate on held-out batches every N steps, at the attempt's start and at its end (0 = never)."""
     eval_batches: StrictInt = Field(default=4, ge=1, le=10_000)

@@ -69,7 +69,8 @@ detectors will say so and the numeric policy rolls back to a healthy one). Inval
 skipped, so a corrupt newest checkpoint means the previous one. None valid → initialisation. Overrides and
 ``data_offset`` unchanged, no re-warm.
 
-succeeded / cancelled → ``ValueError``: there is nothing to recover, and a ``GiveUp`` would wrongly fail the run.
+succeeded / cancelled / config_error → ``ValueError``: there is nothing to recover (a config error fails the run
+by its own rule, ``orchestrator/policy/rules.py``), and a ``GiveUp`` would wrongly fail the run.
 """
 
 from __future__ import annotations
@@ -100,7 +101,7 @@ from orchestrator.policy.tightening import (
 )
 
 ATTEMPT_KINDS = frozenset({"initial", "numeric_retry", "crash_restart", "manual"})
-OUTCOMES = frozenset({"diverged", "crashed", "succeeded", "cancelled"})
+OUTCOMES = frozenset({"diverged", "crashed", "succeeded", "cancelled", "config_error"})
 
 
 # ------------------------------------------------------------------------------------------------ records
@@ -278,7 +279,8 @@ def decide(
     if not history:
         raise ValueError("history: empty; decide needs the attempt that just ended as history[-1]")
     last = history[-1]
-    if last.outcome in ("succeeded", "cancelled"):
+    if last.outcome in ("succeeded", "cancelled", "config_error"):
+        # a config error is not recovered from: no retry can fix the recipe (the run fails, see rules.py)
         raise ValueError(f"history[-1].outcome: attempt {last.number} {last.outcome}; there is nothing to recover")
     since_manual = list(history)
     for i in range(len(history) - 1, -1, -1):

@@ -27,9 +27,15 @@ from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any
 
-from orchestrator.policy.states import ACTIVE_RUN_STATES, TERMINAL_ATTEMPT_STATES, AttemptState, RunState
+from orchestrator.policy.states import (
+    ACTIVE_RUN_STATES,
+    TERMINAL_ATTEMPT_STATES,
+    AttemptState,
+    FailureKind,
+    RunState,
+)
 
-R, A = RunState, AttemptState
+R, A, F = RunState, AttemptState, FailureKind
 
 
 class Happening(StrEnum):
@@ -150,6 +156,8 @@ class Rule:
     """Only when a cancel was (True) or was not (False) requested; None: either."""
     launch: bool = False
     """A new worker group is to be started for the next (or the pending) attempt."""
+    failure: FailureKind | None = None
+    """A run rule that fails the run says why, as a kind (``runs.failure_kind``)."""
 
     def matches(self, s: Situation) -> bool:
         state = s.run if self.facet is Entity.RUN else s.attempt
@@ -170,6 +178,8 @@ class Resolution:
     hops: tuple[Hop, ...]
     """Every state change, in the order to apply them."""
     launch: bool = False
+    failure: FailureKind | None = None
+    """The kind of failure, when the run's rule fails the run."""
 
 
 class NoRule(Exception):
@@ -218,11 +228,12 @@ def _attempt_rule(name: str, on: frozenset[Happening], from_states: frozenset[st
 
 def _run_rule(name: str, on: frozenset[Happening], from_states: frozenset[str], *hops: Hop,
               outcomes: Iterable[AttemptState] | None = None, decisions: Iterable[Decision] | None = None,
-              cancel_requested: bool | None = None, launch: bool = False) -> Rule:
+              cancel_requested: bool | None = None, launch: bool = False,
+              failure: FailureKind | None = None) -> Rule:
     return Rule(name, on, Entity.RUN, from_states, hops,
                 outcomes=frozenset(outcomes) if outcomes is not None else None,
                 decisions=frozenset(decisions) if decisions is not None else None,
-                cancel_requested=cancel_requested, launch=launch)
+                cancel_requested=cancel_requested, launch=launch, failure=failure)
 
 
 ATTEMPT_RULES: tuple[Rule, ...] = (
@@ -240,6 +251,9 @@ ATTEMPT_RULES: tuple[Rule, ...] = (
     _attempt_rule("crashes", _on(H.ENDED), _states(_UNENDED), _attempt(A.crashed, W.OUTCOME), outcomes=[A.crashed]),
     _attempt_rule("is-cancelled", _on(H.ENDED), _states(_UNENDED), _attempt(A.cancelled, W.OUTCOME),
                   outcomes=[A.cancelled]),
+    # a setup error (the preflight probe, the workers' setup) may end an attempt before its first event
+    _attempt_rule("cannot-run-as-configured", _on(H.ENDED), _states(_UNENDED), _attempt(A.config_error, W.OUTCOME),
+                  outcomes=[A.config_error]),
     _attempt_rule("already-ended", _on(H.ENDED), _states(_TERMINAL)),
     _attempt_rule("fails-to-start", _on(H.START_FAILED), _states(_UNENDED), _attempt(A.crashed, W.EVENT)),
     _attempt_rule("fails-to-start-after-its-end", _on(H.START_FAILED), _states(_TERMINAL)),
@@ -251,15 +265,16 @@ RUN_RULES: tuple[Rule, ...] = (
     # ------------------------------------------------------------------ claiming and starting worker groups
     _run_rule("claim", _on(H.CLAIMED), _states(R.queued), _run(R.starting, W.EVENT)),
     _run_rule("claim-a-broken-recipe", _on(H.RECIPE_INVALID), _states(R.queued),
-              _run(R.starting, W.CLAIM), _run(R.failed, W.EVENT)),
+              _run(R.starting, W.CLAIM), _run(R.failed, W.EVENT), failure=F.config_error),
     _run_rule("cancel-in-the-queue", _on(H.CANCELLED_IN_QUEUE), _states(R.queued), _run(R.cancelled, W.EVENT)),
     _run_rule("claim-a-run-that-cannot-fit", _on(H.CANNOT_FIT), _states(R.queued),
               _run(R.starting, W.CLAIM), _run(R.failed, W.EVENT)),
     _run_rule("launch-a-new-worker-group", _on(H.LAUNCHING), _states(R.recovering), _run(R.starting, W.EVENT)),
     _run_rule("launch-the-first-worker-group", _on(H.LAUNCHING), _states(R.starting)),
     _run_rule("fail-to-start-while-recovering", _on(H.START_FAILED), _states(R.recovering),
-              _run(R.starting, W.EVENT), _run(R.failed, W.EVENT)),
-    _run_rule("fail-to-start", _on(H.START_FAILED), _states(R.starting, R.running), _run(R.failed, W.EVENT)),
+              _run(R.starting, W.EVENT), _run(R.failed, W.EVENT), failure=F.start_failed),
+    _run_rule("fail-to-start", _on(H.START_FAILED), _states(R.starting, R.running), _run(R.failed, W.EVENT),
+              failure=F.start_failed),
     _run_rule("run-starts", _on(H.WORKERS_STARTED), _states(R.starting), _run(R.running, W.EVENT)),
     _run_rule("run-already-started", _on(H.WORKERS_STARTED), _states(R.running, R.recovering)),
     # ------------------------------------------------------------------ an attempt ended: cancel beats all
@@ -267,17 +282,21 @@ RUN_RULES: tuple[Rule, ...] = (
               outcomes=[A.cancelled]),
     _run_rule("cancel-requested", _on(H.ENDED), _states(ACTIVE_RUN_STATES), _run(R.cancelled, W.CANCEL),
               cancel_requested=True),
+    # ------------------------------------------------------------------ a setup error: no retry can fix it
+    _run_rule("fail-on-a-config-error", _on(*_ENDINGS), _states(ACTIVE_RUN_STATES), _run(R.failed, W.EVENT),
+              outcomes=[A.config_error], failure=F.config_error),
     _run_rule("succeed-while-starting", _on(H.ENDED), _states(R.starting),
               _run(R.running, W.EVENT), _run(R.succeeded, W.EVENT), outcomes=[A.succeeded]),
     _run_rule("succeed", _on(*_ENDINGS), _states(R.running), _run(R.succeeded, W.EVENT), outcomes=[A.succeeded]),
     _run_rule("adopted-a-cancelled-end", _on(H.ADOPTED_ENDED), _states(R.running, R.recovering),
               _run(R.cancelled, W.EVENT), outcomes=[A.cancelled]),
-    _run_rule("adopted-an-end-before-the-start", _on(H.ADOPTED_ENDED), _states(R.starting), _run(R.failed, W.EVENT)),
+    _run_rule("adopted-an-end-before-the-start", _on(H.ADOPTED_ENDED), _states(R.starting), _run(R.failed, W.EVENT),
+              failure=F.lost),
     # ------------------------------------------------------------------ diverged or crashed: the policy decided
     _run_rule("give-up", _on(*_ENDINGS), _states(R.running),
-              _run(R.recovering, W.EVENT), _run(R.failed, W.DECISION), decisions=[D.GIVE_UP]),
+              _run(R.recovering, W.EVENT), _run(R.failed, W.DECISION), decisions=[D.GIVE_UP], failure=F.gave_up),
     _run_rule("give-up-before-running", _on(*_ENDINGS), _states(R.starting, R.recovering),
-              _run(R.failed, W.DECISION), decisions=[D.GIVE_UP]),
+              _run(R.failed, W.DECISION), decisions=[D.GIVE_UP], failure=F.gave_up),
     _run_rule("retry", _on(*_ENDINGS), _states(R.running),
               _run(R.recovering, W.EVENT), _next(A.pending, W.DECISION), decisions=[D.RETRY], launch=True),
     _run_rule("retry-while-recovering", _on(*_ENDINGS), _states(R.recovering),
@@ -293,7 +312,7 @@ RUN_RULES: tuple[Rule, ...] = (
               decisions=[D.IN_PLACE]),
     # ------------------------------------------------------------------ adopted from a dead scheduler
     _run_rule("adopted-without-an-attempt", _on(H.ADOPTED_EMPTY), _states(ACTIVE_RUN_STATES),
-              _run(R.failed, W.EVENT)),
+              _run(R.failed, W.EVENT), failure=F.lost),
     _run_rule("adopted-an-unstarted-attempt-while-running", _on(H.ADOPTED_UNSTARTED), _states(R.running),
               _run(R.recovering, W.EVENT), launch=True),
     _run_rule("adopted-an-unstarted-attempt", _on(H.ADOPTED_UNSTARTED), _states(R.starting, R.recovering),
@@ -327,4 +346,5 @@ def resolve(situation: Situation) -> Resolution:
         rules=tuple(r.name for r in fired),
         hops=tuple(h for r in fired for h in r.hops),
         launch=any(r.launch for r in fired),
+        failure=next((r.failure for r in fired if r.failure is not None), None),
     )

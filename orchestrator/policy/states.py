@@ -26,6 +26,24 @@ class AttemptState(StrEnum):
     diverged = "diverged"
     crashed = "crashed"
     cancelled = "cancelled"
+    config_error = "config_error"
+    """It cannot run as configured (a deterministic setup error: the preflight probe or the workers' setup);
+    never retried."""
+
+
+class FailureKind(StrEnum):
+    """Why a run is ``failed``, as a category a client can branch on (``runs.failure_kind``; the words are in
+    ``runs.reason``). Which rule fails a run names its kind (``orchestrator.policy.rules``)."""
+
+    config_error = "config_error"
+    """The recipe cannot run as written: a setup error that no retry fixes (a factory that cannot be imported or
+    breaks the contract, a setting the engine refuses, a stored recipe that no longer validates)."""
+    gave_up = "gave_up"
+    """The recovery policy gave up: budgets spent, knobs at their floors, vanishing gradients, no checkpoint."""
+    start_failed = "start_failed"
+    """The attempt could not be prepared, or Ray refused to start it."""
+    lost = "lost"
+    """Adopted from a dead scheduler in a state it cannot continue from."""
 
 
 RUN_TRANSITIONS: dict[RunState, frozenset[RunState]] = {
@@ -44,14 +62,19 @@ RUN_TRANSITIONS: dict[RunState, frozenset[RunState]] = {
 }
 
 ATTEMPT_TRANSITIONS: dict[AttemptState, frozenset[AttemptState]] = {
-    AttemptState.pending: frozenset({AttemptState.running, AttemptState.crashed, AttemptState.cancelled}),
+    # a setup error may end an attempt before its first event (the preflight probe, the workers' setup)
+    AttemptState.pending: frozenset(
+        {AttemptState.running, AttemptState.crashed, AttemptState.cancelled, AttemptState.config_error}
+    ),
     AttemptState.running: frozenset(
-        {AttemptState.succeeded, AttemptState.diverged, AttemptState.crashed, AttemptState.cancelled}
+        {AttemptState.succeeded, AttemptState.diverged, AttemptState.crashed, AttemptState.cancelled,
+         AttemptState.config_error}
     ),
     AttemptState.succeeded: frozenset(),
     AttemptState.diverged: frozenset(),
     AttemptState.crashed: frozenset(),
     AttemptState.cancelled: frozenset(),
+    AttemptState.config_error: frozenset(),
 }
 
 TERMINAL_RUN_STATES = frozenset({RunState.succeeded, RunState.failed, RunState.cancelled})

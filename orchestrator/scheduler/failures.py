@@ -13,7 +13,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from contracts.wire import one_line
+from contracts.wire import SetupConfigError, one_line
 from orchestrator.channel import WorkerFailure
 
 DIED = "worker rank {rank} died (its process exited: killed, out of memory or crashed)"
@@ -31,6 +31,14 @@ class Failure:
         """From a channel's ``fit`` status (``{"state": "failed", "error": text, "worker_failures": [...]}``)."""
         workers = tuple(WorkerFailure.from_dict(w) for w in fit.get("worker_failures") or [])
         return cls(str(fit.get("error") or ""), workers)
+
+    def config_error(self) -> str | None:
+        """The message of a deterministic setup error a rank raised (``SetupConfigError``, after classifying it
+        on the worker), or None: a crash. A dead rank makes it a crash whatever the others raised."""
+        if any(w.died for w in self.workers):
+            return None
+        ranked = sorted(self.workers, key=lambda w: w.rank)
+        return next((w.message for w in ranked if w.type == SetupConfigError.__name__), None)
 
     def summary(self) -> str:
         """The root cause in one line."""

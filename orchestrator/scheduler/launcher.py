@@ -87,9 +87,13 @@ class RayLauncher:
         import ray
 
         cls = channel_actor_class()
-        handle = cls.options(name=name, namespace=NAMESPACE, lifetime="detached", get_if_exists=True).remote(
-            run_id, attempt
-        )
+        # the recipe's ``code`` (Ray's runtime_env) is the actor's: its preflight task, the Train controller and
+        # the workers inherit it
+        options: dict[str, Any] = {"name": name, "namespace": NAMESPACE, "lifetime": "detached",
+                                   "get_if_exists": True}
+        if launch.get("runtime_env"):
+            options["runtime_env"] = upload_local_code(launch["runtime_env"])
+        handle = cls.options(**options).remote(run_id, attempt)
         status = ray.get(handle.fit_status.remote(), timeout=60)
         if status.get("state") == "idle":  # get_if_exists found nothing running: this call starts it
             ray.get(handle.start.remote(launch), timeout=60)
@@ -141,3 +145,24 @@ class RayLauncher:
         for pg in groups:
             with contextlib.suppress(Exception):
                 remove_placement_group(pg)
+
+
+def upload_local_code(runtime_env: Mapping[str, Any]) -> dict[str, Any]:
+    """``runtime_env`` with its local ``py_modules`` / ``working_dir`` uploaded to the cluster (GCS) and replaced by
+    their ``gcs://`` URIs; URIs are left as they are.
+
+    Ray accepts local paths in a runtime_env only at the job level (``ray.init``), not on an actor, so the
+    scheduler uploads them itself, as ``ray.init`` does for a job: with the same functions (internal to Ray, hence
+    this one place), content-addressed, so the same package is uploaded once."""
+    import tempfile
+
+    import ray
+    from ray._private.runtime_env.py_modules import upload_py_modules_if_needed
+    from ray._private.runtime_env.working_dir import upload_working_dir_if_needed
+
+    node: Any = ray._private.worker.global_worker.node
+    scratch = str(node.get_runtime_env_dir_path()) if node is not None else tempfile.gettempdir()
+    env = dict(runtime_env)
+    env = upload_py_modules_if_needed(env, include_gitignore=True, scratch_dir=scratch)
+    env = upload_working_dir_if_needed(env, include_gitignore=True, scratch_dir=scratch)
+    return dict(env)

@@ -1,5 +1,12 @@
 """Starting a worker group: the attempt's ``AttemptSpec`` (effective recipe, resume point, plan) and the launch
-description, committed before Ray is asked; an attempt that cannot be prepared or started fails its run."""
+description, committed before Ray is asked; an attempt that cannot be prepared or started fails its run.
+
+The launch of a run's first attempt (and of a manual retry) asks the channel for a **preflight probe** first
+(``orchestrator.channel.run_preflight``): a small Ray task that builds rank 0's data and model and runs one
+forward, so a recipe that cannot run (a factory the cluster cannot import, a model that breaks the contract) fails
+its run as ``config_error`` in seconds instead of being restarted as a crash. Retries skip it: their setup has
+been seen to work. A deterministic problem found here (the stored recipe, the ``code`` section) is a config error
+too; anything else that stops the launch is a failed start."""
 
 from __future__ import annotations
 
@@ -9,15 +16,18 @@ from typing import Any
 
 from sqlalchemy.orm import Session
 
-from contracts.recipe import admitted_modules
+from contracts.recipe import RecipeError, admitted_modules
 from contracts.wire import AttemptSpec, one_line
 from orchestrator.channel import NAMESPACE
 from orchestrator.policy.recovery import effective_recipe, manual_retry_checkpoint
 from orchestrator.policy.rules import Happening, Note, Situation, Why, resolve
 from orchestrator.policy.states import TERMINAL_ATTEMPT_STATES, TERMINAL_RUN_STATES, AttemptState, RunState
+from orchestrator.runtime_env import CodeError, build_runtime_env
 from orchestrator.scheduler.context import Context, Execution, attempt_of, clear_claim, cpu_demand
 from orchestrator.store.actions import MANUAL_RETRY_KIND
 from orchestrator.store.checkpoints import mark_corrupt, verify_checkpoint
+from orchestrator.scheduler.failures import Failure
+from orchestrator.scheduler.outcomes import conclude
 from orchestrator.store.db import transaction
 from orchestrator.store.models import Attempt, CheckpointRow, Run
 from orchestrator.store.records import run_checkpoints, run_history, with_verdict
@@ -60,11 +70,20 @@ def spec_dict(ctx: Context, s: Session, run: Run, attempt: Attempt) -> dict[str,
     return spec.to_dict()
 
 
+PREFLIGHT_KINDS = frozenset({"initial", "manual"})
+"""Attempts whose launch probes the setup first: a run's first, and a manual retry (the recipe may have been
+fixed, or the cluster's code changed)."""
+
+
 def launch(ctx: Context, run_id: int, number: int) -> None:
     """Start a worker group for the run's pending attempt ``number`` (committing the names first)."""
     try:
         with transaction(ctx.sf) as s:
             name, launch_doc, demand = _prepare(ctx, s, run_id, number)
+    except (RecipeError, CodeError) as exc:  # deterministic: the recipe cannot run as written
+        log.warning("run %s: attempt %s cannot run as configured: %s", run_id, number, exc)
+        fail_config(ctx, run_id, number, str(exc))
+        return
     except Exception as exc:  # noqa: BLE001 - a spec the engine refuses is the run's failure, not ours
         log.exception("run %s: cannot build attempt %s", run_id, number)
         fail_start(ctx, run_id, number, f"attempt {number} could not be prepared: {one_line(exc)}")
@@ -97,6 +116,7 @@ def _prepare(ctx: Context, s: Session, run_id: int, number: int) -> tuple[str, d
     starting = resolve(Situation(Happening.LAUNCHING, run=RunState(run.state)))
     apply_transitions(session=s, resolution=starting, run=run,
                       notes={Why.EVENT: Note(f"starting attempt {number}", {"attempt": number})})
+    runtime_env = build_runtime_env(recipe.code, ctx.settings)
     doc: dict[str, Any] = {
         "spec": spec,
         "attempt": number,
@@ -108,6 +128,11 @@ def _prepare(ctx: Context, s: Session, run_id: int, number: int) -> tuple[str, d
         "use_gpu": res.use_gpu,
         "gpus_per_worker": res.gpus_per_worker,
     }
+    if runtime_env:
+        doc["runtime_env"] = runtime_env
+    timeout = ctx.settings.preflight_timeout_seconds
+    if timeout > 0 and attempt.kind in PREFLIGHT_KINDS:
+        doc["preflight"] = {"timeout_s": timeout, "num_cpus": min(1.0, float(res.cpus_per_worker))}
     if ctx.train_fn:
         doc["train_fn"] = ctx.train_fn
     return name, doc, cpu_demand(recipe)
@@ -137,6 +162,18 @@ def verify_manual_resume(s: Session, run: Run, attempt: Attempt) -> None:
         attempt.reason = (f"{attempt.reason}; the step-{step} checkpoint failed verification ({one_line(problem)}), "
                           f"resuming from {where}")
         s.flush()
+
+
+def fail_config(ctx: Context, run_id: int, number: int, message: str) -> None:
+    """The attempt cannot run as configured (found at launch): it ends ``config_error``, and the run fails."""
+    with transaction(ctx.sf) as s:
+        run = s.get(Run, run_id, populate_existing=True)
+        if run is None or run.state in TERMINAL_RUN_STATES:
+            return
+        attempt = attempt_of(run, number)
+        if attempt.state in TERMINAL_ATTEMPT_STATES:
+            return
+        conclude(ctx, s, run, attempt, AttemptState.config_error, Failure(message), stage="launch")
 
 
 def fail_start(ctx: Context, run_id: int, number: int, reason: str) -> None:

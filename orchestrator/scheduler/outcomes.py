@@ -1,6 +1,8 @@
 """What an attempt's start and end mean for its run: record the outcome, ask the recovery policy, apply the rules.
 
-``conclude`` ends an attempt (succeeded, diverged, crashed, cancelled). After a divergence or a crash (and no
+``conclude`` ends an attempt (succeeded, diverged, crashed, cancelled, config_error). A config error (a
+deterministic setup error: found by the preflight probe, by the workers' setup or at launch) fails the run at once
+with its message; the policy is not asked, since no retry can fix it. After a divergence or a crash (and no
 cancel requested) the policy (``orchestrator.policy.recovery.decide``) is asked over the store's history first;
 a checkpoint it picks that fails verification is marked corrupt and the policy asked again. Its decision is
 recorded (a new pending attempt, or the reason to give up), and the rules (``orchestrator.policy.rules``) say
@@ -31,6 +33,10 @@ from orchestrator.store.transitions import apply_transitions
 
 log = logging.getLogger("ballast.scheduler")
 
+PREFLIGHT = "preflight"
+"""The channel's preflight result (``status``, ``seconds``, ``error``) in ``attempts.ray_info``."""
+STAGE = "stage"
+"""Where a config error was found (``preflight``, ``setup``, ``launch``): in ``attempts.outcome`` and the log."""
 MAX_POLICY_ROUNDS = 8
 """Times the policy is asked again after its chosen checkpoint turned out corrupt."""
 RECOVERABLE = (AttemptState.diverged, AttemptState.crashed)
@@ -76,24 +82,53 @@ def summary(attempt: Attempt) -> str:
         return f"attempt {n} diverged: onset at step {onset}, detected at step {end.final_step} ({what})"
     if outcome == AttemptState.crashed.value:
         return f"attempt {n} crashed: {one_line(stored.error)}"
+    if outcome == AttemptState.config_error.value:
+        return f"attempt {n} cannot run as configured: {one_line(stored.error or (end.reason if end else None))}"
     return f"attempt {n} {outcome}"
 
 
 def workers_started(s: Session, run: Run, attempt: Attempt, *, current: bool, note: Note) -> None:
-    """An attempt's first events arrived: it runs, and so does the run when it is the group's current one."""
+    """An attempt's first events arrived: it runs, and so does the run when it is the group's current one.
+    The attempt's ``running`` hop carries its preflight result, when it had one."""
     started = resolve(Situation(Happening.WORKERS_STARTED, attempt=AttemptState(attempt.state),
                                 run=RunState(run.state) if current else None))
-    apply_transitions(session=s, resolution=started, run=run, attempt=attempt, notes={Why.EVENT: note})
+    notes = {Why.EVENT: note}
+    preflight = (attempt.ray_info or {}).get(PREFLIGHT)
+    if isinstance(preflight, dict):
+        notes[Why.STARTED] = Note(f"workers started ({preflight_text(preflight)})", {PREFLIGHT: preflight})
+    apply_transitions(session=s, resolution=started, run=run, attempt=attempt, notes=notes)
+
+
+def record_preflight(attempt: Attempt, preflight: Mapping[str, Any]) -> None:
+    """Keep the channel's preflight result on the attempt (``ray_info.preflight``), once."""
+    if PREFLIGHT not in (attempt.ray_info or {}):
+        attempt.ray_info = {**(attempt.ray_info or {}), PREFLIGHT: jsonable(dict(preflight))}
+
+
+def preflight_text(preflight: Mapping[str, Any]) -> str:
+    """``preflight ok in 1.8 s``, or what it said when it was not."""
+    took = preflight.get("seconds")
+    when = f" in {took:.1f} s" if isinstance(took, int | float) else ""
+    said = f": {preflight['error']}" if preflight.get("error") else ""
+    return f"preflight {preflight.get('status', 'unknown')}{when}{said}"
 
 
 def conclude(ctx: Context, s: Session, run: Run, attempt: Attempt, outcome: AttemptState,
-             failure: Failure | None = None, *, in_place: InPlace | None = None) -> Next:
-    """End ``attempt`` with ``outcome``; the run ends, or the policy's next attempt is recorded (``Next``)."""
+             failure: Failure | None = None, *, in_place: InPlace | None = None, stage: str | None = None) -> Next:
+    """End ``attempt`` with ``outcome``; the run ends, or the policy's next attempt is recorded (``Next``).
+
+    A config error's ``failure`` is its message (it names the field), kept as it is; ``stage`` says where it was
+    found (``preflight``, ``setup``, ``launch``) and is recorded with it."""
     short = detail = None
-    if failure is not None and (failure.text or failure.workers):
+    if failure is not None and outcome is AttemptState.config_error:
+        short = one_line(failure.text, 1000, empty="a setup error without a message")
+        detail = failure.text if short != failure.text.strip() else None
+    elif failure is not None and (failure.text or failure.workers):
         short = failure.summary()
         detail = failure.text if short != failure.text.strip() else None
     attempt.outcome = jsonable(with_verdict(attempt.outcome, outcome.value, short, detail))
+    if stage is not None:
+        attempt.outcome = {**attempt.outcome, STAGE: stage}
     said = summary(attempt)
     follow = FollowUp()
     if outcome in RECOVERABLE and not run.cancel_requested:
@@ -102,7 +137,8 @@ def conclude(ctx: Context, s: Session, run: Run, attempt: Attempt, outcome: Atte
         follow = follow_up(ctx, s, run, attempt, outcome, in_place=in_place)
     ended = resolve(Situation(Happening.ENDED, run=RunState(run.state), attempt=AttemptState(attempt.state),
                               outcome=outcome, decision=follow.decision, cancel_requested=run.cancel_requested))
-    notes = {Why.OUTCOME: Note(said, end_event_data(attempt)), Why.EVENT: Note(said), **follow.notes}
+    event = Note(said, {STAGE: stage} if stage is not None else None)
+    notes = {Why.OUTCOME: Note(said, end_event_data(attempt)), Why.EVENT: event, **follow.notes}
     apply_transitions(session=s, resolution=ended, run=run, attempt=attempt, next_attempt=follow.attempt,
                       notes=notes)
     release_if_done(run)
@@ -189,14 +225,26 @@ def worker_group_ended(ctx: Context, s: Session, run: Run, current: Attempt, fit
     """The fit returned or failed: map the current attempt's end onto the store."""
     if current.state in TERMINAL_ATTEMPT_STATES:
         return Next()
-    verdict = StoredOutcome.read(current.outcome).verdict
+    stored = StoredOutcome.read(current.outcome)
+    verdict = stored.verdict
     if run.cancel_requested or verdict == AttemptState.cancelled.value:
         conclude(ctx, s, run, current, AttemptState.cancelled)
         return Next()
     if verdict in (AttemptState.succeeded.value, AttemptState.diverged.value):
         return conclude(ctx, s, run, current, AttemptState(verdict))
+    if verdict == AttemptState.config_error.value:  # rank 0 reported it in its end event
+        reason = stored.end.reason if stored.end is not None else ""
+        return conclude(ctx, s, run, current, AttemptState.config_error, Failure(reason), stage="setup")
+    if fit.get("config_error"):  # the channel's preflight probe found it: no worker group was started
+        if isinstance(fit.get(PREFLIGHT), Mapping):
+            record_preflight(current, fit[PREFLIGHT])
+        return conclude(ctx, s, run, current, AttemptState.config_error, Failure(str(fit["config_error"])),
+                        stage=str(fit.get("stage") or "preflight"))
     if fit.get("state") == "failed" and fit.get("error"):
         failure = Failure.of_fit(fit)
+        message = failure.config_error()
+        if message is not None:  # a rank's setup error, without rank 0's end event
+            return conclude(ctx, s, run, current, AttemptState.config_error, Failure(message), stage="setup")
     else:
         failure = Failure("the worker group exited without reporting how the attempt ended")
     return conclude(ctx, s, run, current, AttemptState.crashed, failure)

@@ -34,7 +34,13 @@ from orchestrator.scheduler.failures import Failure
 from orchestrator.scheduler.handshake import answer_plan_request
 from orchestrator.scheduler.launcher import ChannelLost
 from orchestrator.scheduler.launching import launch
-from orchestrator.scheduler.outcomes import conclude, worker_group_ended, workers_started
+from orchestrator.scheduler.outcomes import (
+    PREFLIGHT,
+    conclude,
+    record_preflight,
+    worker_group_ended,
+    workers_started,
+)
 from orchestrator.scheduler.retention import remove_checkpoint_dirs, retire_checkpoints
 from orchestrator.scheduler.storage import reconcile_storage
 from orchestrator.store.db import transaction
@@ -96,6 +102,9 @@ def _effects(ctx: Context, s: Session, ex: Execution, polled: Mapping[str, Any])
         ctx.executions.pop(ex.run_id, None)
         fx.kill = True
         return fx
+    preflight = (polled.get("fit") or {}).get(PREFLIGHT)
+    if isinstance(preflight, Mapping):
+        record_preflight(attempt_of(run, ex.attempt), preflight)
     if _ingest(ctx, s, run, ex, polled.get("events") or []):
         fx.doomed = retire_checkpoints(ctx, s, run)
     current = ex.attempt

@@ -102,6 +102,8 @@ class Run(Base):
     best_loss: Mapped[float | None] = mapped_column(sa.Float)
     last_step: Mapped[int | None] = mapped_column()
     reason: Mapped[str | None] = mapped_column(sa.Text)
+    failure_kind: Mapped[str | None] = mapped_column(sa.String(32))
+    """A failed run's kind of failure (``orchestrator.policy.states.FailureKind``); None unless failed."""
     cancel_requested: Mapped[bool] = mapped_column(default=False)
     # scheduler lease: which scheduler owns the active run, until when (renewed while it runs)
     claimed_by: Mapped[str | None] = mapped_column(sa.String(200))

@@ -100,7 +100,7 @@ class RunOverview:
 
 OVERVIEW_RUN_COLUMNS = (
     "id", "name", "owner", "state", "recipe_id", "idempotency_key", "current_attempt", "cancel_requested", "reason",
-    "created_at", "updated_at", "started_at", "ended_at", "best_loss", "last_step", "retries_used",
+    "failure_kind", "created_at", "updated_at", "started_at", "ended_at", "best_loss", "last_step", "retries_used",
     "crash_restarts_used",
 )
 """Every column of ``runs`` but the scheduler's lease."""

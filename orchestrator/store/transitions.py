@@ -19,6 +19,7 @@ from orchestrator.policy.states import (
     TERMINAL_ATTEMPT_STATES,
     TERMINAL_RUN_STATES,
     AttemptState,
+    FailureKind,
     RunState,
     check_attempt_transition,
     check_run_transition,
@@ -27,10 +28,15 @@ from orchestrator.store.models import Attempt, Event, Run, utcnow
 
 
 def set_run_state(
-    *, session: Session, run: Run, to: RunState, reason: str | None = None, data: dict[str, Any] | None = None
+    *, session: Session, run: Run, to: RunState, reason: str | None = None, data: dict[str, Any] | None = None,
+    failure: FailureKind | None = None,
 ) -> Event:
-    """Move a run to ``to`` (raises IllegalTransition) and log it."""
+    """Move a run to ``to`` (raises IllegalTransition) and log it; a move to ``failed`` records ``failure`` (its
+    kind, also in the log's data), any other move clears it."""
     check_run_transition(run.state, to)
+    if to is RunState.failed and failure is not None:
+        data = {**(data or {}), "failure_kind": failure.value}
+    run.failure_kind = failure.value if to is RunState.failed and failure is not None else None
     ev = Event(
         run_id=run.id, entity="run", from_state=run.state, to_state=to.value, reason=reason, data=data or {}
     )
@@ -91,11 +97,13 @@ def apply_transitions(
 ) -> None:
     """Apply ``resolution``'s hops in order: ``run``, the ``attempt`` concerned, the ``next_attempt`` (already
     recorded, pending, by the caller: its ``NEXT → pending`` hop only checks that). ``notes`` gives the words
-    for each role (``FIXED_NOTES`` fill in the fixed ones)."""
+    for each role (``FIXED_NOTES`` fill in the fixed ones). A hop that fails the run records the resolution's
+    ``failure`` kind."""
     for hop in resolution.hops:
         note = notes.get(hop.why) or FIXED_NOTES[hop.why]
         if hop.entity is Entity.RUN:
-            set_run_state(session=session, run=run, to=RunState(hop.to), reason=note.reason, data=note.data)
+            set_run_state(session=session, run=run, to=RunState(hop.to), reason=note.reason, data=note.data,
+                          failure=resolution.failure)
             continue
         target = attempt if hop.entity is Entity.ATTEMPT else next_attempt
         if target is None:

@@ -690,6 +690,12 @@ def _repair(doc: dict[str, Any]) -> dict[str, Any]:
         resources["gpus_per_worker"] = 1.0
     if doc.get("distributed", {}).get("compression") == "bf16" and not resources.get("use_gpu"):
         doc["distributed"]["compression"] = "none"
+    code = doc.get("code")
+    if isinstance(code, dict):  # locations must be absolute paths or URIs (generated text rarely is)
+        if code.get("working_dir") is not None:
+            code["working_dir"] = "/srv/code"
+        code["py_modules"] = [f"/srv/lib/m{i}" for i, _ in enumerate(code.get("py_modules", []))]
+        code["pip"] = [f"pkg{i}" for i, _ in enumerate(code.get("pip", []))]
     for fault in doc.get("faults", []):
         fault["step"] %= max_steps
         if fault.get("rank") is not None:
@@ -776,4 +782,7 @@ def test_integers_that_do_not_fit_in_64_bits_are_refused_at_parse_time(text: str
 def test_validate_recipe_data_refuses_oversized_integers_too() -> None:
     with pytest.raises(RecipeError, match=r"training\.seed: integer out of range"):
         validate_recipe_data({"name": "t", "training": {"seed": 2**64}})
-    assert validate_recipe_data({"name": "t", "training": {"seed": 2**63 - 1}}).training.seed == 2**63 - 1
+    # within 64 bits but beyond what the engine derives per-rank seeds from: refused, naming the field
+    with pytest.raises(RecipeError, match=r"training\.seed: Input should be less than or equal to 9007199254740991"):
+        validate_recipe_data({"name": "t", "training": {"seed": 2**63 - 1}})
+    assert validate_recipe_data({"name": "t", "training": {"seed": 2**53 - 1}}).training.seed == 2**53 - 1

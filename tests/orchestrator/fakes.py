@@ -65,6 +65,26 @@ class FakeChannel:
         self.emit(attempt, "end", end)
         return end
 
+    def preflight(self, status: str = "ok", error: str | None = None) -> None:
+        """What the channel's preflight probe reported; a config error ends the fit without a trainer (as
+        ``RunChannel._run_fit`` does), any other status lets the fit go on."""
+        result = {"status": status, "seconds": 0.5, "error": error}
+        if status == "config_error":
+            self.fit = {"state": "failed", "error": error, "config_error": error, "stage": "preflight",
+                        "preflight": result}
+        else:
+            self.fit = {**self.fit, "preflight": result}
+
+    def setup_error(self, attempt: int, message: str, *, with_end: bool = True) -> None:
+        """The workers' setup hit a config error (``workers.entry.report_config_error``): rank 0's ``config_error``
+        end (unless its sink was lost), then every rank raised ``SetupConfigError``."""
+        if with_end:
+            self.emit(attempt, "end", {"outcome": "config_error", "final_step": 0, "reason": message})
+        kept = {"preflight": self.fit["preflight"]} if "preflight" in self.fit else {}
+        self.fit = {"state": "failed", "error": f"SetupConfigError: {message}", **kept,
+                    "worker_failures": [{"rank": r, "type": "SetupConfigError", "message": message, "died": False}
+                                        for r in range(int(self.launch["num_workers"]))]}
+
     def succeed(self, attempt: int, final: int) -> None:
         self.emit(attempt, "end", {"outcome": "succeeded", "final_step": final, "onset_step": None})
         self.fit = {"state": "done", "error": None}

@@ -62,6 +62,51 @@ def test_an_undrained_backlog_drops_old_metrics_first(monkeypatch: pytest.Monkey
 
 
 @pytest.mark.ray
+@pytest.mark.parametrize(("status", "trainer_started", "state"), [
+    ("config_error", False, "failed"), ("inconclusive", True, "done"), ("ok", True, "done"),
+])
+def test_the_preflight_runs_before_the_trainer_and_a_config_error_starts_none(
+    monkeypatch: pytest.MonkeyPatch, status: str, trainer_started: bool, state: str
+) -> None:
+    calls: list[str] = []
+
+    def preflight(launch: Any) -> dict[str, Any]:
+        calls.append("preflight")
+        return {"status": status, "seconds": 0.1, "error": None if status == "ok" else "data.factory: x"}
+
+    monkeypatch.setattr(channel_mod, "run_preflight", preflight)
+    monkeypatch.setattr(channel_mod, "run_torch_trainer", lambda launch, handle: calls.append("trainer"))
+    ch = RunChannel(run_id=7, first_attempt=1)
+    ch._run_fit({"preflight": {"timeout_s": 5}}, None)
+    assert calls == (["preflight", "trainer"] if trainer_started else ["preflight"])
+    fit = ch.fit_status()
+    assert fit["state"] == state and fit["preflight"]["status"] == status
+    assert (fit.get("config_error"), fit.get("stage")) == (
+        ("data.factory: x", "preflight") if status == "config_error" else (None, None))
+
+
+def test_a_broken_probe_never_keeps_the_fit_from_starting(monkeypatch: pytest.MonkeyPatch) -> None:
+    calls: list[str] = []
+
+    def broken(launch: Any) -> dict[str, Any]:
+        raise ValueError("bad options")
+
+    monkeypatch.setattr(channel_mod, "run_preflight", broken)
+    monkeypatch.setattr(channel_mod, "run_torch_trainer", lambda launch, handle: calls.append("trainer"))
+    ch = RunChannel(run_id=7, first_attempt=1)
+    ch._run_fit({"preflight": {"timeout_s": 5}}, None)
+    assert calls == ["trainer"]
+    assert ch.fit_status()["state"] == "done" and ch.fit_status()["preflight"]["status"] == "inconclusive"
+
+
+def test_no_preflight_unless_the_launch_asks(monkeypatch: pytest.MonkeyPatch) -> None:
+    calls: list[str] = []
+    monkeypatch.setattr(channel_mod, "run_preflight", lambda launch: calls.append("preflight"))
+    monkeypatch.setattr(channel_mod, "run_torch_trainer", lambda launch, handle: calls.append("trainer"))
+    RunChannel(run_id=7, first_attempt=1)._run_fit({}, None)
+    assert calls == ["trainer"]
+
+
 def test_the_sink_batches_to_the_actor_and_follows_the_plan(ray_cluster: Any) -> None:
     handle = channel_actor_class().options(namespace=NAMESPACE).remote(1, 1)
     try:

@@ -443,7 +443,7 @@ def test_crash_reason_is_one_line_with_a_tracebacks_exception() -> None:
 
 
 # ------------------------------------------------------------------------------------------------ bad input
-@pytest.mark.parametrize("outcome", ["succeeded", "cancelled"])
+@pytest.mark.parametrize("outcome", ["succeeded", "cancelled", "config_error"])
 def test_nothing_to_recover_is_a_caller_error(outcome: str) -> None:
     with pytest.raises(ValueError, match="history\\[-1\\].outcome"):
         decide(recipe(), [AttemptRecord(1, "initial", outcome, 0)], [])

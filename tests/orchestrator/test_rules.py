@@ -28,6 +28,7 @@ from orchestrator.policy.states import (
     ACTIVE_RUN_STATES,
     TERMINAL_ATTEMPT_STATES,
     AttemptState,
+    FailureKind,
     RunState,
     check_attempt_transition,
     check_run_transition,
@@ -67,6 +68,10 @@ CASES: list[tuple[Situation, str, tuple[Hop, ...], bool]] = [
      (attempt(A.cancelled, W.OUTCOME),), False),
     (Situation(H.ENDED, attempt=A.pending, outcome=A.cancelled), "is-cancelled",
      (attempt(A.cancelled, W.OUTCOME),), False),
+    (Situation(H.ENDED, attempt=A.pending, outcome=A.config_error), "cannot-run-as-configured",
+     (attempt(A.config_error, W.OUTCOME),), False),
+    (Situation(H.ENDED, attempt=A.running, outcome=A.config_error), "cannot-run-as-configured",
+     (attempt(A.config_error, W.OUTCOME),), False),
     (Situation(H.ENDED, attempt=A.diverged, outcome=A.cancelled), "already-ended", (), False),
     (Situation(H.START_FAILED, attempt=A.pending), "fails-to-start", (attempt(A.crashed, W.EVENT),), False),
     (Situation(H.START_FAILED, attempt=A.crashed), "fails-to-start-after-its-end", (), False),
@@ -91,6 +96,15 @@ CASES: list[tuple[Situation, str, tuple[Hop, ...], bool]] = [
     (Situation(H.ENDED, run=R.running, outcome=A.succeeded, cancel_requested=True), "cancel-requested",
      (run(R.cancelled, W.CANCEL),), False),
     (Situation(H.ENDED, run=R.starting, outcome=A.crashed, cancel_requested=True), "cancel-requested",
+     (run(R.cancelled, W.CANCEL),), False),
+    # a setup error fails the run whatever state it is in (the preflight: starting; the workers: running)
+    (Situation(H.ENDED, run=R.starting, outcome=A.config_error), "fail-on-a-config-error",
+     (run(R.failed, W.EVENT),), False),
+    (Situation(H.ENDED, run=R.running, outcome=A.config_error), "fail-on-a-config-error",
+     (run(R.failed, W.EVENT),), False),
+    (Situation(H.ADOPTED_ENDED, run=R.recovering, outcome=A.config_error), "fail-on-a-config-error",
+     (run(R.failed, W.EVENT),), False),
+    (Situation(H.ENDED, run=R.starting, outcome=A.config_error, cancel_requested=True), "cancel-requested",
      (run(R.cancelled, W.CANCEL),), False),
     (Situation(H.ENDED, run=R.starting, outcome=A.succeeded), "succeed-while-starting",
      (run(R.running, W.EVENT), run(R.succeeded, W.EVENT)), False),
@@ -197,6 +211,46 @@ def test_the_cancel_rules_cover_every_active_state_and_outcome() -> None:
                 got = resolve(Situation(H.ENDED, run=state, outcome=outcome, decision=decision,
                                         cancel_requested=True))
                 assert got.hops == (run(R.cancelled, W.CANCEL),)
+
+
+FAILURES: dict[str, FailureKind] = {
+    "claim-a-broken-recipe": FailureKind.config_error,
+    "fail-on-a-config-error": FailureKind.config_error,
+    "fail-to-start-while-recovering": FailureKind.start_failed,
+    "fail-to-start": FailureKind.start_failed,
+    "adopted-an-end-before-the-start": FailureKind.lost,
+    "adopted-without-an-attempt": FailureKind.lost,
+    "give-up": FailureKind.gave_up,
+    "give-up-before-running": FailureKind.gave_up,
+}
+"""The kind each rule that fails a run records (``runs.failure_kind``)."""
+
+
+def test_every_rule_that_fails_a_run_names_its_kind_and_no_other_does() -> None:
+    fails = {r.name: r.failure for r in RUN_RULES if any(h.to is R.failed for h in r.hops)}
+    assert fails == FAILURES
+    assert all(r.failure is None for r in RULES if r.name not in FAILURES)
+
+
+@pytest.mark.parametrize(("situation", "kind"), [
+    (Situation(H.ENDED, run=R.starting, attempt=A.pending, outcome=A.config_error), FailureKind.config_error),
+    (Situation(H.ENDED, run=R.running, attempt=A.running, outcome=A.crashed, decision=D.GIVE_UP),
+     FailureKind.gave_up),
+    (Situation(H.START_FAILED, run=R.starting, attempt=A.pending), FailureKind.start_failed),
+    (Situation(H.ENDED, run=R.running, attempt=A.running, outcome=A.crashed, decision=D.RETRY), None),
+], ids=str)
+def test_the_resolution_carries_the_failure_kind(situation: Situation, kind: FailureKind | None) -> None:
+    assert resolve(situation).failure is kind
+
+
+def test_a_config_error_is_never_retried() -> None:
+    """Whatever the policy would say, a config error fails the run (no crash restart, no numeric retry)."""
+    for state in ACTIVE_RUN_STATES:
+        for decision in Decision:
+            got = resolve(Situation(H.ENDED, run=state, attempt=A.running, outcome=A.config_error,
+                                    decision=decision))
+            assert got.rules == ("cannot-run-as-configured", "fail-on-a-config-error")
+            assert not got.launch and all(h.entity is not Entity.NEXT for h in got.hops)
 
 
 def test_fixed_notes() -> None:

@@ -36,8 +36,9 @@ LEGAL_RUN = {
     (R.failed, R.queued), (R.cancelled, R.queued),
 }  # fmt: skip
 LEGAL_ATTEMPT = {
-    (A.pending, A.running), (A.pending, A.crashed), (A.pending, A.cancelled),
+    (A.pending, A.running), (A.pending, A.crashed), (A.pending, A.cancelled), (A.pending, A.config_error),
     (A.running, A.succeeded), (A.running, A.diverged), (A.running, A.crashed), (A.running, A.cancelled),
+    (A.running, A.config_error),
 }  # fmt: skip
 ALL_RUN = list(itertools.product(RunState, RunState))
 ALL_ATTEMPT = list(itertools.product(AttemptState, AttemptState))
@@ -52,10 +53,12 @@ def test_state_sets() -> None:
     assert [s.value for s in RunState] == [
         "queued", "starting", "running", "recovering", "succeeded", "failed", "cancelled"
     ]
-    assert [s.value for s in AttemptState] == ["pending", "running", "succeeded", "diverged", "crashed", "cancelled"]
+    assert [s.value for s in AttemptState] == [
+        "pending", "running", "succeeded", "diverged", "crashed", "cancelled", "config_error"
+    ]
     assert TERMINAL_RUN_STATES == {R.succeeded, R.failed, R.cancelled}
     assert ACTIVE_RUN_STATES == {R.starting, R.running, R.recovering}
-    assert TERMINAL_ATTEMPT_STATES == {A.succeeded, A.diverged, A.crashed, A.cancelled}
+    assert TERMINAL_ATTEMPT_STATES == {A.succeeded, A.diverged, A.crashed, A.cancelled, A.config_error}
 
 
 @pytest.mark.parametrize("pair", ALL_RUN, ids=[_id(p) for p in ALL_RUN])
