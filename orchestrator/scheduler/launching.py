@@ -24,10 +24,10 @@ from orchestrator.policy.rules import Happening, Note, Situation, Why, resolve
 from orchestrator.policy.states import TERMINAL_ATTEMPT_STATES, TERMINAL_RUN_STATES, AttemptState, RunState
 from orchestrator.runtime_env import CodeError, build_runtime_env
 from orchestrator.scheduler.context import Context, Execution, attempt_of, clear_claim, cpu_demand
-from orchestrator.store.actions import MANUAL_RETRY_KIND
-from orchestrator.store.checkpoints import mark_corrupt, verify_checkpoint
 from orchestrator.scheduler.failures import Failure
 from orchestrator.scheduler.outcomes import conclude
+from orchestrator.store.actions import MANUAL_RETRY_KIND
+from orchestrator.store.checkpoints import mark_corrupt, verify_checkpoint
 from orchestrator.store.db import transaction
 from orchestrator.store.models import Attempt, CheckpointRow, Run
 from orchestrator.store.records import run_checkpoints, run_history, with_verdict

@@ -42,7 +42,7 @@ def test_a_recipe_that_can_run_passes(on_path: None) -> None:
 @pytest.mark.parametrize(("doc", "field", "says"), [
     ({"model": {"name": "custom", "factory": "nowhere_pkg.models:make"}}, "model.factory", "cannot import module"),
     (custom_sections("make_not_a_module"), "model.factory", "must return a torch.nn.Module"),
-    (custom_sections("make_per_sample_loss"), "model.factory", "scalar mean loss"),
+    (custom_sections("make_per_sample_loss"), "loss.name", "not a scalar; add a loss: section"),
     (custom_sections("make_missing"), "model.factory", "has no attribute 'make_missing'"),
     ({**custom_sections(), "distributed": {"freeze_first_n_blocks": 5}}, "distributed.freeze_first_n_blocks",
      "outside [0, 2]"),

@@ -104,7 +104,7 @@ BAD_RECIPES = [
                  id="missing-module"),
     pytest.param(custom_sections("make_not_a_module"), "model.factory", "must return a torch.nn.Module",
                  id="not-a-module"),
-    pytest.param(custom_sections("make_per_sample_loss"), "model.factory", "scalar mean loss",
+    pytest.param(custom_sections("make_per_sample_loss"), "loss.name", "not a scalar; add a loss: section",
                  id="non-scalar-loss"),
 ]
 
