@@ -30,6 +30,7 @@ from contracts.recipe import (
     recipe_to_dict,
     validate_recipe_data,
 )
+from contracts.recipe.loading import INT_LIMIT
 from orchestrator.runtime_env import code_refusals
 from orchestrator.settings import Settings
 from orchestrator.store.repo import content_hash
@@ -154,11 +155,26 @@ MAX_INT_DIGITS = 24
 Python's int() (past 4,300 digits a ValueError, and quadratic time before that)."""
 
 
-def _bounded_int(digits: str) -> int:
+class _HugeInt(str):
+    """A JSON integer too long to convert, kept as its digits so the error can name the field it sits in."""
+
+
+def _bounded_int(digits: str) -> int | _HugeInt:
     if len(digits.lstrip("-")) > MAX_INT_DIGITS:
-        raise RecipeError([FieldError("<document>", f"invalid number: an integer of {len(digits)} digits "
-                                                    "(recipes hold 64-bit integers)")])
+        return _HugeInt(digits)
     return int(digits)
+
+
+def _huge_ints(value: Any, path: str = "") -> list[FieldError]:
+    """Every oversized integer of a parsed document, named by its field path."""
+    if isinstance(value, _HugeInt):
+        return [FieldError(path or "<document>", f"integer out of range: must fit in 64 bits (|x| <= {INT_LIMIT}); "
+                                                 f"got {len(value.lstrip('-'))} digits")]
+    if isinstance(value, dict):
+        return [e for k, v in value.items() for e in _huge_ints(v, f"{path}.{k}" if path else str(k))]
+    if isinstance(value, list):
+        return [e for i, v in enumerate(value) for e in _huge_ints(v, f"{path}.{i}" if path else str(i))]
+    return []
 
 
 def _load_json_recipe(body: bytes, allowed: list[str]) -> tuple[Recipe, str]:
@@ -171,6 +187,9 @@ def _load_json_recipe(body: bytes, allowed: list[str]) -> tuple[Recipe, str]:
                           parse_int=_bounded_int)
     except json.JSONDecodeError as exc:
         raise RecipeError([FieldError("<document>", f"invalid JSON: {exc.msg}", exc.lineno)]) from None
+    huge = _huge_ints(data)
+    if huge:
+        raise RecipeError(huge)
     return validate_recipe_data(data, allowed_import_modules=allowed), text
 
 

@@ -268,7 +268,7 @@ RUN_RULES: tuple[Rule, ...] = (
               _run(R.starting, W.CLAIM), _run(R.failed, W.EVENT), failure=F.config_error),
     _run_rule("cancel-in-the-queue", _on(H.CANCELLED_IN_QUEUE), _states(R.queued), _run(R.cancelled, W.EVENT)),
     _run_rule("claim-a-run-that-cannot-fit", _on(H.CANNOT_FIT), _states(R.queued),
-              _run(R.starting, W.CLAIM), _run(R.failed, W.EVENT)),
+              _run(R.starting, W.CLAIM), _run(R.failed, W.EVENT), failure=F.cannot_fit),
     _run_rule("launch-a-new-worker-group", _on(H.LAUNCHING), _states(R.recovering), _run(R.starting, W.EVENT)),
     _run_rule("launch-the-first-worker-group", _on(H.LAUNCHING), _states(R.starting)),
     _run_rule("fail-to-start-while-recovering", _on(H.START_FAILED), _states(R.recovering),

@@ -44,6 +44,8 @@ class FailureKind(StrEnum):
     """The attempt could not be prepared, or Ray refused to start it."""
     lost = "lost"
     """Adopted from a dead scheduler in a state it cannot continue from."""
+    cannot_fit = "cannot_fit"
+    """It needs more than the whole cluster has, and the cluster does not autoscale (``cluster_autoscales``)."""
 
 
 RUN_TRANSITIONS: dict[RunState, frozenset[RunState]] = {

@@ -222,6 +222,7 @@ FAILURES: dict[str, FailureKind] = {
     "adopted-without-an-attempt": FailureKind.lost,
     "give-up": FailureKind.gave_up,
     "give-up-before-running": FailureKind.gave_up,
+    "claim-a-run-that-cannot-fit": FailureKind.cannot_fit,
 }
 """The kind each rule that fails a run records (``runs.failure_kind``)."""
 
