@@ -134,7 +134,7 @@ def main() -> None:
     import ray
 
     os.environ.setdefault("RAY_TRAIN_V2_ENABLED", "1")
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
     rows: list[str] = []
     try:
         with tempfile.TemporaryDirectory(prefix="ballast-bench-") as tmp:

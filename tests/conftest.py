@@ -142,7 +142,7 @@ def ray_cluster() -> Iterator[Any]:
     import ray
 
     if not ray.is_initialized():
-        ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False,
+        ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False,
                  runtime_env={"env_vars": {"RAY_TRAIN_V2_ENABLED": "1"}})
     yield ray
     ray.shutdown()

@@ -317,8 +317,8 @@ class _RayAttempts:
 
         res = self.recipe.resources
         if not ray.is_initialized():
-            ray.init(num_cpus=max(2, int(res.num_workers * res.cpus_per_worker) + 1), include_dashboard=False,
-                     log_to_driver=False)
+            ray.init(address="local", num_cpus=max(2, int(res.num_workers * res.cpus_per_worker) + 1),
+                     include_dashboard=False, log_to_driver=False)
             self.started_ray = True
         self.launcher = RayLauncher(get_settings())
         return self

@@ -59,8 +59,10 @@ class RayLauncher:
         if self.settings.ray_address:
             ray.init(address=self.settings.ray_address, namespace=NAMESPACE, log_to_driver=False)
         else:
-            ray.init(num_cpus=self.settings.ray_num_cpus, namespace=NAMESPACE, include_dashboard=False,
-                     log_to_driver=False)
+            # address="local": a Ray of our own, never one a stray `ray start` left on this host (plain ray.init()
+            # attaches to that, and then refuses num_cpus)
+            ray.init(address="local", num_cpus=self.settings.ray_num_cpus, namespace=NAMESPACE,
+                     include_dashboard=False, log_to_driver=False)
             self._owns_ray = True
 
     def shutdown(self) -> None:
