@@ -99,6 +99,7 @@ def _prepare(ctx: Context, s: Session, run_id: int, number: int) -> tuple[str, d
         "run_name": run_name,
         "storage_path": root,
         "checkpoint_uri_prefix": _join(root, run_name),
+        "storage": ctx.settings.checkpoint_storage().to_dict(),  # may hold keys: never stored in ray_info
         "num_workers": res.num_workers,
         "cpus_per_worker": res.cpus_per_worker,
         "use_gpu": res.use_gpu,

@@ -19,6 +19,7 @@ from sqlalchemy.orm import Session
 from contracts import checkpoint as contracts_checkpoint
 from contracts.checkpoint import CorruptCheckpoint, local_dir
 from contracts.recipe import RecipeError
+from contracts.storage import StorageOptions
 from contracts.wire import one_line
 from orchestrator.policy.recovery import GiveUp, RecoveryPlan, decide
 from orchestrator.policy.rules import Decision, Happening, Note, Situation, Why, resolve
@@ -142,7 +143,8 @@ def decide_next(ctx: Context, s: Session, run: Run, ended: Attempt,
             return GiveUp(f"the recovery policy could not decide: {one_line(exc)}")
         if isinstance(decision, RecoveryPlan) and decision.resume_from is not None:
             row = s.get(CheckpointRow, decision.resume_from.id)
-            problem = verify_checkpoint(row.uri, row.sha256) if row is not None else "missing"
+            problem = (verify_checkpoint(row.uri, row.sha256, storage=ctx.settings.checkpoint_storage())
+                       if row is not None else "missing")
             if problem is not None and row is not None:
                 log.warning("run %s: checkpoint %s is unusable: %s", run.id, row.uri, problem)
                 row.verdict = {**(row.verdict or {}), "corrupt": problem}
@@ -152,19 +154,20 @@ def decide_next(ctx: Context, s: Session, run: Run, ended: Attempt,
     return GiveUp("no usable checkpoint: every candidate failed verification")
 
 
-def verify_checkpoint(uri: str, sha256: str | None) -> str | None:
-    """Why a checkpoint cannot be resumed from, or None if it can (or cannot be checked from here).
+def verify_checkpoint(uri: str, sha256: str | None, *, storage: StorageOptions | None = None) -> str | None:
+    """Why a checkpoint cannot be resumed from, or None if it can.
 
-    Local directories are verified fully (manifest checksum, recorded digest, every file's size and sha256),
-    so a corrupt newest checkpoint costs no failed attempt. Remote URIs are left to the worker's verified load.
-    """
-    path = local_dir(uri)
-    if path is None:
-        return None
+    Verified fully wherever it lives, a local directory or an object store (``storage``): the manifest checksum,
+    the recorded digest, every file's size and sha256, so a corrupt checkpoint costs no failed attempt. A store
+    that cannot be reached from here is left to the worker's verified load (logged)."""
     try:
-        contracts_checkpoint.verify_checkpoint(path, expected_sha256=sha256 or None)
+        contracts_checkpoint.verify_checkpoint(uri, expected_sha256=sha256 or None, storage=storage)
     except CorruptCheckpoint as exc:
         return exc.reason
+    except OSError as exc:  # the store did not answer: not evidence that the checkpoint is bad
+        if local_dir(uri) is not None:
+            return f"unreadable: {one_line(exc)}"
+        log.warning("could not verify checkpoint %s here: %s", uri, one_line(exc))
     return None
 
 
