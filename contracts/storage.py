@@ -11,6 +11,7 @@ pyarrow is imported only when a remote location is used: the control plane reads
 
 from __future__ import annotations
 
+import os
 import shutil
 import uuid
 from collections.abc import Mapping
@@ -58,14 +59,20 @@ class StorageOptions:
             fs, path = pafs.FileSystem.from_uri(uri)
             return fs, str(path)
         path = uri.split("://", 1)[1].rstrip("/")
+        # pyarrow's constructor does not read the endpoint variables the AWS SDKs honour; its from_uri does
+        endpoint = self.endpoint or os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL", "")
+        if not (endpoint or self.access_key_id or self.region):
+            fs, _ = pafs.FileSystem.from_uri(uri)  # as Ray Train resolves it: the bucket's region looked up
+            return fs, path
         kwargs: dict[str, Any] = {}
-        if self.endpoint:
-            kwargs["endpoint_override"] = self.endpoint
+        if endpoint:
+            kwargs["endpoint_override"] = endpoint
         if self.access_key_id:
             kwargs["access_key"] = self.access_key_id
             kwargs["secret_key"] = self.secret_access_key
-        if self.region:
-            kwargs["region"] = self.region
+        region = self.region or os.environ.get("AWS_REGION") or os.environ.get("AWS_DEFAULT_REGION", "")
+        if region:
+            kwargs["region"] = region
         return pafs.S3FileSystem(**kwargs), path
 
 

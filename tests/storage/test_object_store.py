@@ -106,3 +106,15 @@ def test_a_local_root_is_refused_on_several_nodes_unless_declared_shared(tmp_pat
     assert Settings(home=tmp_path, checkpoint_root=str(tmp_path), checkpoint_root_shared=True
                     ).checkpoint_root_refusal(3) is None
     assert Settings(home=tmp_path, checkpoint_root="s3://b/p").checkpoint_root_refusal(3) is None
+
+
+def test_without_settings_the_aws_environment_reaches_the_store(bucket: Bucket, tmp_path: Path,
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """What the Helm chart sets on the scheduler and every Ray pod: the AWS SDK's variables, no BALLAST_S3_*."""
+    uris = upload(bucket, tmp_path, [(10, True)])
+    monkeypatch.setenv("AWS_ENDPOINT_URL_S3", bucket.endpoint)
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "testing")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "testing")
+    monkeypatch.setenv("AWS_DEFAULT_REGION", "us-east-1")
+    assert verify_checkpoint(uris[10]).step == 10  # no StorageOptions at all
+    assert scheduler_verify(uris[10], None, storage=Settings().checkpoint_storage()) is None
