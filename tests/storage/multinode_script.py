@@ -30,8 +30,9 @@ def main(endpoint: str, bucket_name: str, out: str) -> None:
     from tests.storage.s3 import Bucket
 
     bucket = Bucket(endpoint=endpoint, name=bucket_name)
-    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "include_dashboard": False})
-    cluster.add_node(num_cpus=1)
+    small = {"num_cpus": 1, "object_store_memory": 128 * 1024**2}  # beside the session's Ray, on a shared machine
+    cluster = Cluster(initialize_head=True, head_node_args={**small, "include_dashboard": False})
+    cluster.add_node(**small)
     cluster.wait_for_nodes()
     ray.init(address=cluster.address, namespace="ballast", log_to_driver=False,
              runtime_env={"env_vars": {"RAY_TRAIN_V2_ENABLED": "1"}})
