@@ -12,18 +12,29 @@ The control plane reads manifests, verifies files and applies retention without 
 ``workers/checkpoint.py`` writes checkpoints and unpickles them after :func:`verify_files` passed.
 ``Manifest.sha256`` is the manifest's own checksum: one digest that identifies the whole checkpoint (the store
 keeps it and passes it back as ``expected_sha256``).
+
+Every reader takes a path or a URI: local directories and object-store prefixes (``s3://bucket/...``, with
+``contracts.storage.StorageOptions``) are read, verified, listed and deleted by the same code, through
+``contracts.storage.Location``.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
-import shutil
-import uuid
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from contracts.storage import Location, StorageOptions, local_dir
+
+Where = str | Path | Location
+"""A checkpoint directory: a local path, a URI (``s3://...``), or a ``Location``."""
+
+
+def _at(where: Where, storage: StorageOptions | None) -> Location:
+    return where if isinstance(where, Location) else Location(where, storage)
 
 FORMAT = "ballast-checkpoint"
 FORMAT_VERSION = 1
@@ -36,7 +47,7 @@ class CorruptCheckpoint(Exception):
     Picklable (``__reduce__``), so it crosses Ray's process boundary with its path and reason intact.
     """
 
-    def __init__(self, path: str | Path, reason: str) -> None:
+    def __init__(self, path: str | Path | Location, reason: str) -> None:
         self.path = str(path)
         self.reason = reason
         super().__init__(f"corrupt checkpoint {self.path}: {reason}")
@@ -65,17 +76,20 @@ def canonical_json(obj: dict[str, Any]) -> bytes:
     return json.dumps(obj, sort_keys=True, separators=(",", ":")).encode()
 
 
-def read_manifest(directory: str | Path) -> Manifest:
+def read_manifest(directory: Where, *, storage: StorageOptions | None = None) -> Manifest:
     """Read and verify the manifest alone (its format and self-checksum), without touching the data files."""
-    path = Path(directory)
-    if not path.is_dir():
-        raise CorruptCheckpoint(path, "no such checkpoint directory")
-    mpath = path / MANIFEST
-    if not mpath.is_file():
-        raise CorruptCheckpoint(path, f"{MANIFEST} is missing (the save never completed?)")
+    path = _at(directory, storage)
     try:
-        raw = json.loads(mpath.read_bytes())
-    except (OSError, ValueError) as exc:
+        data = path.read_bytes(MANIFEST)
+    except (FileNotFoundError, IsADirectoryError, NotADirectoryError):
+        if not path.is_dir():
+            raise CorruptCheckpoint(path, "no such checkpoint directory") from None
+        raise CorruptCheckpoint(path, f"{MANIFEST} is missing (the save never completed?)") from None
+    except OSError as exc:
+        raise CorruptCheckpoint(path, f"{MANIFEST} is unreadable: {exc}") from exc
+    try:
+        raw = json.loads(data)
+    except ValueError as exc:
         raise CorruptCheckpoint(path, f"{MANIFEST} is unreadable: {exc}") from exc
     if not isinstance(raw, dict) or raw.get("format") != FORMAT:
         raise CorruptCheckpoint(path, f"{MANIFEST} is not a Ballast checkpoint manifest")
@@ -103,26 +117,20 @@ def read_manifest(directory: str | Path) -> Manifest:
     )
 
 
-def local_dir(uri: str) -> Path | None:
-    """The local directory a checkpoint URI names (a plain path or ``file://``), or None for a remote URI."""
-    if uri.startswith("file://"):
-        uri = uri[len("file://") :]
-    return None if "://" in uri else Path(uri)
-
-
 def verify_files(
-    directory: str | Path, manifest: Manifest, names: Iterable[str] | None = None
+    directory: Where, manifest: Manifest, names: Iterable[str] | None = None, *,
+    storage: StorageOptions | None = None,
 ) -> dict[str, bytes]:
     """Read the manifest's files (or only ``names``), checking each one's size and sha256 → {name: bytes}.
 
     Raises CorruptCheckpoint naming the first file that is missing, truncated or damaged.
     """
-    path = Path(directory)
+    path = _at(directory, storage)
     out: dict[str, bytes] = {}
     for name in manifest.files if names is None else names:
         entry = manifest.files[name]
         try:
-            data = (path / name).read_bytes()
+            data = path.read_bytes(name)
         except FileNotFoundError:
             raise CorruptCheckpoint(path, f"{name} is missing") from None
         except OSError as exc:
@@ -136,15 +144,18 @@ def verify_files(
     return out
 
 
-def verify_checkpoint(directory: str | Path, *, expected_sha256: str | None = None) -> Manifest:
-    """Verify a whole checkpoint (manifest, recorded digest, every file) → its manifest; raises CorruptCheckpoint."""
-    manifest = read_manifest(directory)
-    check_expected(directory, manifest, expected_sha256)
-    verify_files(directory, manifest)
+def verify_checkpoint(directory: Where, *, expected_sha256: str | None = None,
+                      storage: StorageOptions | None = None) -> Manifest:
+    """Verify a whole checkpoint (manifest, recorded digest, every file) → its manifest; raises CorruptCheckpoint.
+    Works on an object store too (``storage``): every file is read back and hashed."""
+    path = _at(directory, storage)
+    manifest = read_manifest(path)
+    check_expected(path, manifest, expected_sha256)
+    verify_files(path, manifest)
     return manifest
 
 
-def check_expected(directory: str | Path, manifest: Manifest, expected_sha256: str | None) -> None:
+def check_expected(directory: Where, manifest: Manifest, expected_sha256: str | None) -> None:
     """The recorded digest also guards against a checkpoint replaced by a different, consistent one."""
     if expected_sha256 is not None and manifest.sha256 != expected_sha256:
         raise CorruptCheckpoint(
@@ -169,21 +180,23 @@ def checkpoints_to_delete(entries: Sequence[tuple[int, bool]], *, keep: int, kee
     return sorted(s for s in steps if s not in kept)
 
 
-def list_checkpoints(root_dir: str | Path) -> list[tuple[Path, Manifest]]:
-    """Complete checkpoints directly under ``root_dir`` (valid manifest), oldest first. Hidden temporaries and
-    directories without a readable manifest are not listed."""
-    root = Path(root_dir)
-    if not root.is_dir():
-        return []
-    found: list[tuple[Path, Manifest]] = []
-    for child in root.iterdir():
-        if child.name.startswith(".") or not child.is_dir():
+def find_checkpoints(root: Where, *, storage: StorageOptions | None = None) -> list[tuple[Location, Manifest]]:
+    """Complete checkpoints directly under ``root`` (valid manifest), oldest first, on disk or on an object
+    store. Hidden temporaries and directories without a readable manifest are not listed."""
+    found: list[tuple[Location, Manifest]] = []
+    for child in _at(root, storage).subdirs():
+        if child.name.startswith("."):
             continue
         try:
             found.append((child, read_manifest(child)))
         except CorruptCheckpoint:
             continue
     return sorted(found, key=lambda pm: pm[1].step)
+
+
+def list_checkpoints(root_dir: str | Path) -> list[tuple[Path, Manifest]]:
+    """:func:`find_checkpoints` of a local directory, as paths."""
+    return [(loc.local, m) for loc, m in find_checkpoints(Path(root_dir)) if loc.local is not None]
 
 
 def latest_checkpoint(root_dir: str | Path, *, healthy_only: bool = False) -> tuple[Path, Manifest] | None:
@@ -194,20 +207,25 @@ def latest_checkpoint(root_dir: str | Path, *, healthy_only: bool = False) -> tu
     return None
 
 
-def apply_retention(root_dir: str | Path, keep: int, keep_healthy: bool) -> list[Path]:
+def apply_retention(root_dir: Where, keep: int, keep_healthy: bool, *,
+                    storage: StorageOptions | None = None) -> list[Location]:
     """Delete the checkpoints under ``root_dir`` that :func:`checkpoints_to_delete` names (plain-process runs;
-    under Ray Train its ``CheckpointConfig`` does this). Each is renamed to a hidden name first, so a crash
-    mid-delete never leaves a half-deleted directory that looks like a checkpoint. Returns the deleted paths."""
-    listed = list_checkpoints(root_dir)
+    under Ray Train the scheduler retires them). Each goes through ``Location.remove`` (a crash mid-delete never
+    leaves something that looks like a checkpoint). Returns the deleted locations."""
+    listed = find_checkpoints(root_dir, storage=storage)
     by_step = {m.step: p for p, m in listed}
     if len(by_step) != len(listed):
         raise ValueError(f"two checkpoints under {root_dir} have the same step")
     doomed = checkpoints_to_delete([(m.step, m.healthy) for _, m in listed], keep=keep, keep_healthy=keep_healthy)
-    deleted: list[Path] = []
+    deleted: list[Location] = []
     for step in doomed:
-        path = by_step[step]
-        trash = path.parent / f".{path.name}.deleting-{uuid.uuid4().hex[:12]}"
-        path.rename(trash)
-        shutil.rmtree(trash, ignore_errors=True)
-        deleted.append(path)
+        by_step[step].remove()
+        deleted.append(by_step[step])
     return deleted
+
+
+__all__ = [
+    "FORMAT", "FORMAT_VERSION", "MANIFEST", "CorruptCheckpoint", "Location", "Manifest", "StorageOptions",
+    "apply_retention", "canonical_json", "check_expected", "checkpoints_to_delete", "find_checkpoints",
+    "latest_checkpoint", "list_checkpoints", "local_dir", "read_manifest", "verify_checkpoint", "verify_files",
+]

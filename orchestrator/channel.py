@@ -291,11 +291,16 @@ def run_torch_trainer(launch: Mapping[str, Any], channel: Any) -> None:
     from ray.train import FailureConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchConfig, TorchTrainer
 
+    from contracts.storage import StorageOptions, local_dir
     from workers.ray_sink import ActorSink
 
     module, _, func = str(launch.get("train_fn") or DEFAULT_TRAIN_FN).partition(":")
     train_loop_per_worker = getattr(importlib.import_module(module), func)
 
+    # an object-store root: Ray Train persists the checkpoints through the same filesystem Ballast reads them with
+    storage_path, storage_fs = str(launch["storage_path"]), None
+    if local_dir(storage_path) is None:
+        storage_fs, storage_path = StorageOptions.from_dict(launch.get("storage")).filesystem(storage_path)
     os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", CONTROLLER_POLL_S)  # propagated to the controller
     resources: dict[str, float] = {"CPU": float(launch["cpus_per_worker"])}
     if launch.get("use_gpu"):
@@ -306,6 +311,7 @@ def run_torch_trainer(launch: Mapping[str, Any], channel: Any) -> None:
             "spec": launch["spec"],
             "sink": ActorSink(channel, attempt=int(launch["attempt"])),
             "checkpoint_uri_prefix": launch["checkpoint_uri_prefix"],
+            "storage": launch.get("storage") or {},
         },
         torch_config=TorchConfig(timeout_s=collective_timeout_s(step_timeout_of(launch))),
         scaling_config=ScalingConfig(
@@ -315,7 +321,8 @@ def run_torch_trainer(launch: Mapping[str, Any], channel: Any) -> None:
         ),
         run_config=RunConfig(
             name=str(launch["run_name"]),
-            storage_path=str(launch["storage_path"]),
+            storage_path=storage_path,
+            storage_filesystem=storage_fs,
             failure_config=FailureConfig(max_failures=0),
         ),
     )

@@ -13,6 +13,7 @@ from pydantic import Field, SecretStr, ValidationError, field_validator, model_v
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 from contracts.export import ExportTargets, export_targets
+from contracts.storage import StorageOptions, local_dir
 
 
 class AuthMode(StrEnum):
@@ -34,7 +35,27 @@ class Settings(BaseSettings):
     checkpoint_root: str = Field(
         default="",
         description="Where attempts store checkpoints: a local path or a URI such as s3://bucket/prefix. "
-        "Empty means `<home>/checkpoints`.",
+        "Empty means `<home>/checkpoints`. On a Ray cluster of several nodes it must be shared by all of them: "
+        "an object store, or a path declared shared with BALLAST_CHECKPOINT_ROOT_SHARED.",
+    )
+    checkpoint_root_shared: bool = Field(
+        default=False,
+        description="Declares a local-path checkpoint root as storage every Ray node mounts at the same path "
+        "(NFS, a ReadWriteMany volume). Without it a local root is refused on a cluster of more than one node.",
+    )
+    s3_endpoint: str = Field(
+        default="",
+        description="Endpoint of an S3-compatible store for s3:// checkpoint roots, e.g. `http://minio:9000`. "
+        "Empty: AWS, or `AWS_ENDPOINT_URL_S3` where set.",
+    )
+    s3_region: str = Field(default="", description="Region of the s3:// bucket. Empty: the AWS SDK's default.")
+    s3_access_key_id: str = Field(
+        default="",
+        description="Access key for s3:// checkpoints. Empty: the AWS SDK's credential chain of every process "
+        "(`AWS_ACCESS_KEY_ID`, IAM roles). When set, the scheduler passes it with the launch to the workers.",
+    )
+    s3_secret_access_key: SecretStr | None = Field(
+        default=None, description="Secret key that goes with BALLAST_S3_ACCESS_KEY_ID."
     )
     ray_address: str | None = Field(
         default=None,
@@ -130,6 +151,24 @@ class Settings(BaseSettings):
         if self.ray_address is None:
             self.ray_address = os.environ.get("RAY_ADDRESS") or None
         return self
+
+    def checkpoint_storage(self) -> StorageOptions:
+        """How workers and the scheduler reach an object-store checkpoint root (ignored for a local one)."""
+        secret = self.s3_secret_access_key.get_secret_value() if self.s3_secret_access_key is not None else ""
+        return StorageOptions(endpoint=self.s3_endpoint, access_key_id=self.s3_access_key_id,
+                              secret_access_key=secret, region=self.s3_region)
+
+    def checkpoint_root_refusal(self, nodes: int) -> str | None:
+        """Why the checkpoint root cannot serve a Ray cluster of ``nodes`` nodes, or None if it can.
+
+        A local path that is not declared shared would hold each checkpoint on the disk of the node that wrote
+        it: a resume on another node, the scheduler's verification and retention would not find it."""
+        if nodes <= 1 or local_dir(self.checkpoint_root) is None or self.checkpoint_root_shared:
+            return None
+        return (f"BALLAST_CHECKPOINT_ROOT={self.checkpoint_root} is a local path, but the Ray cluster has {nodes} "
+                "nodes: a checkpoint written on one would be missing on the others. Use an object store "
+                "(s3://bucket/prefix) or, if the path is storage every node mounts (NFS), set "
+                "BALLAST_CHECKPOINT_ROOT_SHARED=true")
 
     def export_targets(self) -> ExportTargets:
         """Where attempts of this server write their tracker export (sent in each ``AttemptSpec``)."""

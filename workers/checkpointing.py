@@ -13,7 +13,12 @@ decides what is in them and where they go:
 - ``Checkpointer``: rank 0 writes to the attempt's directory in a plain process, or to a scratch directory that it
   hands to ``ray.train.report`` under Ray Train (every rank reports, so all report the same number of times);
   then the ``checkpoint`` event, the corrupt-checkpoint fault and, in a plain process, retention.
-- ``materialize``: a local directory for a checkpoint path or URI (downloaded through Ray Train when remote).
+- ``materialize``: a local directory for a checkpoint path or URI (an object-store checkpoint is downloaded
+  through Ray Train's ``Checkpoint`` with the launch's ``StorageOptions``).
+
+Under Ray Train a checkpoint's URI is ``<checkpoint_uri_prefix>/step_XXXXXXXX`` whatever the storage (a local
+path, a shared mount, ``s3://``): Ray Train persists it there and every later reader (a resume, the scheduler's
+verification and retention) goes through ``contracts.storage.Location``.
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ from __future__ import annotations
 import contextlib
 import math
 import shutil
+import socket
 import tempfile
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
@@ -30,7 +36,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from contracts.checkpoint import apply_retention, local_dir
+from contracts.checkpoint import apply_retention
+from contracts.storage import Location, StorageOptions, local_dir
 from contracts.wire import AttemptSpec, SavedCheckpoint, finite_or_none
 from workers.checkpoint import rng_state, save_checkpoint, set_rng_state
 from workers.clipping import Clipper
@@ -67,6 +74,11 @@ class TrainingState:
         """What differs between ranks (RNG streams, PowerSGD's error feedback): gathered so each resumes its own."""
         return {"rng": rng_state(),
                 "comm_hook": powersgd_state_dict(self.comm_state) if self.comm_state is not None else {}}
+
+    @staticmethod
+    def node_of(ctx: WorkerContext) -> str:
+        """Where this rank runs (the Ray node id; the host name in a plain process): recorded in the manifest."""
+        return ctx.node or socket.gethostname()
 
     def state_dict(self, per_rank: Sequence[Mapping[str, Any]], progress: dict[str, Any]) -> dict[str, Any]:
         """The checkpoint's parts (rank 0), with every rank's ``rank_part`` in rank order."""
@@ -166,14 +178,15 @@ class Checkpointer:
         other ranks return None.
         """
         ctx = self.ctx
-        per_rank = gather_objects(state.rank_part(), ctx)
+        per_rank = gather_objects({**state.rank_part(), "node": state.node_of(ctx)}, ctx)
         name = f"step_{step:08d}"
         saved: SavedCheckpoint | None = None
         if ctx.is_main:
             progress = {"step": step, "data_offset": self.spec.data_offset, "attempt": self.spec.attempt,
                         "world_size": ctx.world_size, "pending_update_ratio": pending_update_ratio}
             meta = {"step": step, "healthy": healthy, "verdict": verdict, "attempt": self.spec.attempt,
-                    "run_id": self.spec.run_id, "recipe": self.spec.recipe.name}
+                    "run_id": self.spec.run_id, "recipe": self.spec.recipe.name,
+                    "nodes": [r["node"] for r in per_rank]}
             saved = self._write(name, state.state_dict(per_rank, progress), meta, loss, on_saved)
         elif ctx.ray_train:
             self._report_to_ray(step, name, None, healthy, loss)
@@ -199,8 +212,7 @@ class Checkpointer:
         if ctx.ray_train:
             self._report_to_ray(step, name, info.path, healthy, loss)
             shutil.rmtree(target_root, ignore_errors=True)
-            persisted = local_dir(uri)
-            self.faults.after_checkpoint(step, persisted if persisted is not None and persisted.is_dir() else None)
+            self.faults.after_checkpoint(step, Location(uri, ctx.storage))
         else:
             self.faults.after_checkpoint(step, info.path)
             apply_retention(self.spec.checkpoint_dir, self.spec.recipe.checkpoint.keep,
@@ -225,7 +237,7 @@ class Checkpointer:
 
 
 @contextlib.contextmanager
-def materialize(uri: str | None) -> Iterator[str | None]:
+def materialize(uri: str | None, storage: StorageOptions | None = None) -> Iterator[str | None]:
     """A local directory for a checkpoint path or URI (downloaded through Ray Train for remote storage)."""
     if uri is None:
         yield None
@@ -236,5 +248,6 @@ def materialize(uri: str | None) -> Iterator[str | None]:
         return
     import ray.train
 
-    with ray.train.Checkpoint(uri).as_directory() as path:
+    fs, path_in_fs = (storage or StorageOptions()).filesystem(uri)
+    with ray.train.Checkpoint(path_in_fs, filesystem=fs).as_directory() as path:
         yield str(path)

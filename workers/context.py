@@ -15,6 +15,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from contracts.recipe import Recipe
+from contracts.storage import StorageOptions
 
 
 @dataclass(frozen=True)
@@ -28,6 +29,10 @@ class WorkerContext:
     """Report checkpoints through ``ray.train.report`` (and let Ray Train persist them)."""
     checkpoint_uri_prefix: str | None = None
     """Ray Train: where the reported checkpoints end up (``<prefix>/step_XXXXXXXX`` is a checkpoint's URI)."""
+    storage: StorageOptions = field(default_factory=StorageOptions)
+    """How to reach an object-store checkpoint URI (endpoint, keys) when resuming from one."""
+    node: str = ""
+    """The Ray node this rank runs on (empty in a plain process); checkpoints record every rank's."""
 
     @property
     def distributed(self) -> bool:

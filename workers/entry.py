@@ -22,6 +22,7 @@ from typing import Any
 import torch
 
 from contracts.overrides import apply_overrides
+from contracts.storage import StorageOptions
 from contracts.wire import CONFIG_ERROR, AttemptOutcome, AttemptSpec, SetupConfigError, one_line
 from workers.checkpointing import materialize
 from workers.comm import EngineConfigError
@@ -76,7 +77,7 @@ def run_attempts(spec: AttemptSpec, ctx: WorkerContext, sink: EventSink | None, 
     try:
         while True:
             attempt_sink = sink if export is None else export.tee(sink, spec, resume)
-            with materialize(resume) as resume_dir:
+            with materialize(resume, ctx.storage) as resume_dir:
                 trainer = GuardedTrainer(spec, ctx, attempt_sink, resume_dir=resume_dir)
             result = trainer.train()
             plan = None
@@ -104,7 +105,8 @@ def run_attempt(spec: AttemptSpec, sink: EventSink | None = None) -> AttemptOutc
 
 def train_loop_per_worker(config: dict[str, Any]) -> None:
     """Ray Train V2 entry: ``config = {"spec": AttemptSpec dict, "sink": EventSink | None,
-    "checkpoint_uri_prefix": str}``. Checkpoints go through ``ray.train.report`` (rank 0 attaches them);
+    "checkpoint_uri_prefix": str, "storage": StorageOptions dict}``. Checkpoints go through ``ray.train.report``
+    (rank 0 attaches them);
     telemetry through the sink (used on rank 0 only)."""
     import ray.train
     import ray.train.torch
@@ -114,6 +116,7 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
     ctx = WorkerContext(
         rank=tc.get_world_rank(), world_size=tc.get_world_size(), device=ray.train.torch.get_device(),
         ray_train=True, checkpoint_uri_prefix=config.get("checkpoint_uri_prefix"),
+        storage=StorageOptions.from_dict(config.get("storage")), node=ray.get_runtime_context().get_node_id(),
     )
     sink = config.get("sink") if ctx.is_main else None
     try:

@@ -24,6 +24,7 @@ from contracts.recipe import (
     KillWorkerFault,
     NanLossFault,
 )
+from contracts.storage import Location
 from workers.data.batch import Batch, has_float_inputs, scale_float_inputs
 
 
@@ -87,30 +88,31 @@ class FaultInjector:
             if grads:
                 torch._foreach_mul_(grads, f.factor)
 
-    def after_checkpoint(self, step: int, path: str | os.PathLike[str] | None) -> None:
+    def after_checkpoint(self, step: int, path: Location | str | os.PathLike[str] | None) -> None:
         """corrupt_checkpoint: flip bytes in the checkpoint just written (the first at or after the fault's
-        step), then crash, so the next attempt has to notice the damage when it loads."""
+        step), on disk or in the object store, then crash, so the next attempt has to notice the damage."""
         if path is None:
             return
         for i, f in enumerate(self.faults):
             if isinstance(f, CorruptCheckpointFault) and step >= f.step and i not in self._corrupted:
                 self._corrupted.add(i)
-                damaged = corrupt_checkpoint_dir(Path(path))
+                damaged = corrupt_checkpoint_dir(path if isinstance(path, Location) else Path(path))
                 raise InjectedCrash(f"injected fault: corrupted checkpoint {damaged} at step {step}")
 
 
-def corrupt_checkpoint_dir(path: Path) -> Path:
-    """Flip bytes in the middle of the largest state file of a checkpoint (not its manifest); return it."""
-    files = [p for p in path.rglob("*") if p.is_file() and "manifest" not in p.name]
+def corrupt_checkpoint_dir(path: Path | Location) -> Path | str:
+    """Flip bytes in the middle of the largest state file of a checkpoint (not its manifest), on disk or in the
+    object store; return the file's path or URI."""
+    where = path if isinstance(path, Location) else Location(path)
+    files = {name: size for name, size in where.files().items() if "manifest" not in name}
     if not files:
-        raise FileNotFoundError(f"no state file in checkpoint {path}")
-    target = max(files, key=lambda p: p.stat().st_size)
-    data = bytearray(target.read_bytes())
+        raise FileNotFoundError(f"no state file in checkpoint {where}")
+    name = max(files, key=lambda n: files[n])
+    data = bytearray(where.read_bytes(name))
     if not data:
-        target.write_bytes(b"\xff")
-        return target
+        data = bytearray(b"\xff")
     mid = len(data) // 2
     for i in range(mid, min(mid + 16, len(data))):
         data[i] ^= 0xFF
-    target.write_bytes(bytes(data))
-    return target
+    where.write_bytes(name, bytes(data))
+    return where.local / name if where.local is not None else f"{where.uri.rstrip('/')}/{name}"

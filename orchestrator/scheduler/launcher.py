@@ -18,6 +18,18 @@ class ChannelLost(Exception):
     """The run's channel actor (and with it the worker group) is gone."""
 
 
+class UnsharedCheckpointRoot(RuntimeError):
+    """A local checkpoint root on a Ray cluster of several nodes, not declared shared: refused before launch."""
+
+
+def alive_nodes() -> int:
+    """Ray nodes alive now (the head counts: it may run workers too)."""
+    import ray
+
+    nodes: list[dict[str, Any]] = ray.nodes()  # type: ignore[no-untyped-call]
+    return sum(1 for n in nodes if n.get("Alive"))
+
+
 class Launcher(Protocol):
     """How the scheduler reaches the compute: Ray in production; a fake in the fast scheduler tests."""
 
@@ -86,8 +98,13 @@ class RayLauncher:
         return {"CPU": float(total.get("CPU", 0.0)), "GPU": float(total.get("GPU", 0.0))}
 
     def launch(self, *, name: str, run_id: int, attempt: int, launch: dict[str, Any]) -> Any:
+        """Start the worker group; a local checkpoint root the cluster's nodes do not share is refused first (the
+        cluster may have grown since the run was submitted, so this is checked at every launch)."""
         import ray
 
+        refusal = self.settings.checkpoint_root_refusal(alive_nodes())
+        if refusal is not None:
+            raise UnsharedCheckpointRoot(refusal)
         cls = channel_actor_class()
         # the recipe's ``code`` (Ray's runtime_env) is the actor's: its preflight task, the Train controller and
         # the workers inherit it

@@ -17,6 +17,7 @@ from typing import Any
 from sqlalchemy.orm import Session
 
 from contracts.recipe import RecipeError, admitted_modules
+from contracts.storage import StorageOptions
 from contracts.wire import AttemptSpec, one_line
 from orchestrator.channel import NAMESPACE
 from orchestrator.policy.recovery import effective_recipe, manual_retry_checkpoint
@@ -104,7 +105,7 @@ def _prepare(ctx: Context, s: Session, run_id: int, number: int) -> tuple[str, d
     assert run is not None
     attempt = attempt_of(run, number)
     if attempt.kind == MANUAL_RETRY_KIND:
-        verify_manual_resume(s, run, attempt)
+        verify_manual_resume(s, run, attempt, ctx.settings.checkpoint_storage())
     spec = spec_dict(ctx, s, run, attempt)
     recipe = ctx.recipe(run)
     res = recipe.resources
@@ -123,6 +124,7 @@ def _prepare(ctx: Context, s: Session, run_id: int, number: int) -> tuple[str, d
         "run_name": run_name,
         "storage_path": root,
         "checkpoint_uri_prefix": _join(root, run_name),
+        "storage": ctx.settings.checkpoint_storage().to_dict(),  # may hold keys: never stored in ray_info
         "num_workers": res.num_workers,
         "cpus_per_worker": res.cpus_per_worker,
         "use_gpu": res.use_gpu,
@@ -138,13 +140,13 @@ def _prepare(ctx: Context, s: Session, run_id: int, number: int) -> tuple[str, d
     return name, doc, cpu_demand(recipe)
 
 
-def verify_manual_resume(s: Session, run: Run, attempt: Attempt) -> None:
+def verify_manual_resume(s: Session, run: Run, attempt: Attempt, storage: StorageOptions | None = None) -> None:
     """A manual retry's checkpoint was chosen by the API, which need not see checkpoint storage: verify it here,
     before a worker loads it. A corrupt one is marked (``mark_corrupt``) and the lineage rule asked again, so the
     attempt resumes from the next valid checkpoint (or initialisation) instead of burning a crash restart."""
     while attempt.parent_checkpoint_id is not None:
         row = s.get(CheckpointRow, attempt.parent_checkpoint_id)
-        problem = verify_checkpoint(row.uri, row.sha256) if row is not None else "missing"
+        problem = verify_checkpoint(row.uri, row.sha256, storage=storage) if row is not None else "missing"
         if problem is None:
             return
         step = row.step if row is not None else attempt.resume_step

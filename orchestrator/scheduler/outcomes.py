@@ -177,7 +177,8 @@ def decide_next(ctx: Context, s: Session, run: Run, ended: Attempt,
             return GiveUp(f"the recovery policy could not decide: {one_line(exc)}")
         if isinstance(decision, RecoveryPlan) and decision.resume_from is not None:
             row = s.get(CheckpointRow, decision.resume_from.id)
-            problem = verify_checkpoint(row.uri, row.sha256) if row is not None else "missing"
+            problem = (verify_checkpoint(row.uri, row.sha256, storage=ctx.settings.checkpoint_storage())
+                       if row is not None else "missing")
             if problem is not None and row is not None:
                 log.warning("run %s: checkpoint %s is unusable: %s", run.id, row.uri, problem)
                 mark_corrupt(s, row, problem)

@@ -1,18 +1,19 @@
 """Checkpoint retention: keep the newest ``checkpoint.keep`` (by write order) plus the newest healthy one
 (``contracts.checkpoint.checkpoints_to_delete``), mark the rest deleted, and remove their directories once that
-is committed (never one a live row or an unfinished attempt still names, never outside the checkpoint root)."""
+is committed (never one a live row or an unfinished attempt still names, never outside the checkpoint root), on
+disk or on the object store alike (``contracts.storage.Location``)."""
 
 from __future__ import annotations
 
 import logging
-import shutil
 from collections.abc import Sequence
 
 import sqlalchemy as sa
 from sqlalchemy.orm import Session
 
-from contracts.checkpoint import checkpoints_to_delete, local_dir
+from contracts.checkpoint import checkpoints_to_delete
 from contracts.recipe import RecipeError
+from contracts.storage import Location, StorageOptions
 from orchestrator.policy.states import TERMINAL_ATTEMPT_STATES
 from orchestrator.scheduler.context import Context
 from orchestrator.store.models import CheckpointRow, Run
@@ -41,20 +42,13 @@ def retire_checkpoints(ctx: Context, s: Session, run: Run) -> list[str]:
     return sorted({r.uri for r in doomed if r.uri and r.uri not in live_uris})
 
 
-def remove_checkpoint_dirs(uris: Sequence[str], root: str) -> None:
-    """Delete retired checkpoint directories, only ever under the checkpoint root."""
+def remove_checkpoint_dirs(uris: Sequence[str], root: str, storage: StorageOptions | None = None) -> None:
+    """Delete retired checkpoint directories (or object-store prefixes), only ever under the checkpoint root."""
     for uri in uris:
         if not uri.startswith(root.rstrip("/") + "/"):
             log.warning("not deleting %s: outside the checkpoint root %s", uri, root)
             continue
-        local = local_dir(uri)
         try:
-            if local is not None:
-                shutil.rmtree(local, ignore_errors=True)
-            else:
-                import pyarrow.fs as pafs
-
-                fs, path = pafs.FileSystem.from_uri(uri)
-                fs.delete_dir(path)
+            Location(uri, storage).remove()
         except Exception as exc:  # noqa: BLE001 - a leftover directory is not worth failing a run over
             log.warning("could not delete checkpoint %s: %s", uri, exc)

@@ -175,7 +175,7 @@ def _execute(ctx: Context, ex: Execution, fx: Effects, lost: str | None) -> None
         ex.stop_sent_at = time.monotonic()
     if fx.kill and lost is None:
         ctx.launcher.kill(ex.handle)
-    remove_checkpoint_dirs(sorted(set(fx.doomed)), ctx.settings.checkpoint_root)
+    remove_checkpoint_dirs(sorted(set(fx.doomed)), ctx.settings.checkpoint_root, ctx.settings.checkpoint_storage())
     if fx.launch is not None:
         launch(ctx, ex.run_id, fx.launch)
 

@@ -8,11 +8,17 @@ recorded on the attempt that wrote it, so the run's anomaly list and the dashboa
 
 from __future__ import annotations
 
+import logging
+
 from sqlalchemy.orm import Session
 
 from contracts import checkpoint as contracts_checkpoint
 from contracts.checkpoint import CorruptCheckpoint, local_dir
+from contracts.storage import StorageOptions
+from contracts.wire import one_line
 from orchestrator.store.models import AnomalyRow, CheckpointRow
+
+log = logging.getLogger("ballast.scheduler")
 
 CORRUPT_KIND = "checkpoint_corrupt"
 
@@ -36,17 +42,18 @@ def mark_corrupt(session: Session, row: CheckpointRow, problem: str) -> bool:
     return True
 
 
-def verify_checkpoint(uri: str, sha256: str | None) -> str | None:
-    """Why a checkpoint cannot be resumed from, or None if it can (or cannot be checked from here).
+def verify_checkpoint(uri: str, sha256: str | None, *, storage: StorageOptions | None = None) -> str | None:
+    """Why a checkpoint cannot be resumed from, or None if it can.
 
-    Local directories are verified fully (manifest checksum, recorded digest, every file's size and sha256),
-    so a corrupt newest checkpoint costs no failed attempt. Remote URIs are left to the worker's verified load.
-    """
-    path = local_dir(uri)
-    if path is None:
-        return None
+    Verified fully wherever it lives, a local directory or an object store (``storage``): the manifest checksum,
+    the recorded digest, every file's size and sha256, so a corrupt checkpoint costs no failed attempt. A store
+    that cannot be reached from here is left to the worker's verified load (logged)."""
     try:
-        contracts_checkpoint.verify_checkpoint(path, expected_sha256=sha256 or None)
+        contracts_checkpoint.verify_checkpoint(uri, expected_sha256=sha256 or None, storage=storage)
     except CorruptCheckpoint as exc:
         return exc.reason
+    except OSError as exc:  # the store did not answer: not evidence that the checkpoint is bad
+        if local_dir(uri) is not None:
+            return f"unreadable: {one_line(exc)}"
+        log.warning("could not verify checkpoint %s here: %s", uri, one_line(exc))
     return None

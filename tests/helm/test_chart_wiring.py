@@ -284,6 +284,8 @@ def test_default_checkpoints_on_one_shared_claim(default_render: Rendered) -> No
     assert pvc["metadata"]["annotations"]["helm.sh/resource-policy"] == "keep"
     scheduler = default_render.deployment("scheduler")
     root = env_of(container(scheduler))["BALLAST_CHECKPOINT_ROOT"]["value"]
+    # mounted on every Ray pod: declared shared, so a multi-node cluster accepts the local path
+    assert env_of(container(scheduler))["BALLAST_CHECKPOINT_ROOT_SHARED"]["value"] == "true"
     specs = [pod_spec(scheduler)] + ray_pod_specs(default_render.raycluster())
     for spec in specs:
         (vol,) = [v for v in spec["volumes"] if "persistentVolumeClaim" in v]

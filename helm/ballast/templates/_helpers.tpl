@@ -185,13 +185,16 @@ Client server on the head, ray://<cluster>-head-svc:10001. KubeRay names the hea
 {{- end }}
 {{- end }}
 
-{{/* BALLAST_CHECKPOINT_ROOT of the scheduler: the S3 URI or the shared volume's mount path. */}}
+{{/* BALLAST_CHECKPOINT_ROOT of the scheduler: the S3 URI or the shared volume's mount path (declared shared). */}}
 {{- define "ballast.checkpointRootEnv" -}}
 - name: BALLAST_CHECKPOINT_ROOT
 {{- if eq .Values.checkpoints.storage "s3" }}
   value: {{ required "checkpoints.s3.uri is required when checkpoints.storage is s3 (e.g. s3://bucket/prefix)" .Values.checkpoints.s3.uri | quote }}
 {{- else if eq .Values.checkpoints.storage "pvc" }}
   value: {{ .Values.checkpoints.pvc.mountPath | quote }}
+{{- /* the claim is mounted on every Ray pod: declare it shared, or a multi-node cluster refuses the local path */}}
+- name: BALLAST_CHECKPOINT_ROOT_SHARED
+  value: "true"
 {{- else }}
 {{- fail (printf "checkpoints.storage must be pvc or s3, not %q" .Values.checkpoints.storage) }}
 {{- end }}
