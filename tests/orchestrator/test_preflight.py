@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import yaml
 
 from contracts.recipe import validate_recipe_data
 from contracts.wire import AttemptSpec, SetupConfigError
@@ -85,3 +86,14 @@ def test_rank_0_reports_the_config_error_as_its_end_and_every_rank_raises_it() -
     import pickle
 
     assert pickle.loads(pickle.dumps(raised)).message == raised.message  # it crosses Ray's process boundary
+
+
+def test_an_unmodified_model_with_a_loss_section_passes() -> None:
+    """The probe calls the model as the training step does (``Objective``): with a ``loss:`` section an ordinary
+    classifier gets ``model(inputs)``, not the whole batch (the README's classifier example)."""
+    doc = yaml.safe_load((Path(__file__).resolve().parents[2] / "examples/classifier/recipe.yaml").read_text())
+    doc.pop("faults")
+    assert probe(spec(doc, ["examples"])) == {"status": "ok", "error": None}
+    doc.pop("loss")  # the same model without a loss section cannot return its loss: the field is named
+    got = probe(spec(doc, ["examples"]))
+    assert got["status"] == "config_error" and "add a loss: section" in got["error"]
