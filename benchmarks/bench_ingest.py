@@ -30,7 +30,13 @@ Variants, in one run, on the same database, channels and pushers' code, interlea
 
 Between variants the event tables are emptied and the attempts' cursors reset; the channels are drained empty.
 
+Besides, per variant: the scheduler's wall time in services, channel polls, the ingest function and all SQL
+statements (per 1k events), statements per service, the backlog left at the window's end and the rate at which the
+scheduler clears it once the pushers have stopped (the control plane's own ceiling); and, once, the CPU the idle
+channel actors cost.
+
 Usage: ``python benchmarks/bench_ingest.py [--attempts 100] [--rate 20000] [--seconds 20] [--warmup 5]
+[--pushers 2] [--poll 0.5] [--sink-flush-interval 0.2] [--sink-max-batch 64] [--drain-timeout 60]
 [--variants before,after] [--repeats 1] [--json]``. Needs the PostgreSQL server of the tests
 (``BALLAST_TEST_PG_URL``, default ``postgres@127.0.0.1:5432``, trust auth); the database is created and dropped.
 """

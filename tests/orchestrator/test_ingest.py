@@ -267,3 +267,27 @@ def test_batched_ingest_writes_what_the_previous_ingest_wrote(
                                                metrics_every_steps=every)
         assert asdict(got) == asdict(want)
     assert _stored(session_factory, *new) == _stored(session_factory, *old)
+
+
+@pytest.mark.ray
+@pytest.mark.postgres
+@pytest.mark.slow
+def test_the_ingest_benchmark_runs_both_variants_end_to_end() -> None:
+    """``benchmarks/bench_ingest.py`` at a toy size (its own Ray and database, in a subprocess): both variants
+    commit events through the real channels and scheduler, and every pushed event reaches the store."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parents[2]
+    out = subprocess.run(
+        [sys.executable, str(repo / "benchmarks" / "bench_ingest.py"), "--attempts", "3", "--rate", "300",
+         "--seconds", "2", "--warmup", "1", "--drain-timeout", "60", "--pushers", "1", "--json"],
+        capture_output=True, text=True, timeout=280, check=True,
+    ).stdout
+    results = json.loads(out[out.index("["):])
+    assert [r["variant"] for r in results] == ["before", "after"]
+    for r in results:
+        assert r["events_per_s"] > 0 and r["not_ingested_by_the_drain_timeout"] == 0
+        assert r["rows"]["metric_points"] + r["rows"]["anomalies"] + r["rows"]["checkpoints"] == r["emitted"]
