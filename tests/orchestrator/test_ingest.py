@@ -4,10 +4,15 @@ changes nothing, long runs are downsampled without losing the steps that matter,
 
 from __future__ import annotations
 
+import math
+from dataclasses import asdict
 from typing import Any
 
 import pytest
 import sqlalchemy as sa
+from hypothesis import HealthCheck, given
+from hypothesis import settings as hyp_settings
+from hypothesis import strategies as st
 from sqlalchemy.orm import Session, sessionmaker
 
 from contracts.recipe import validate_recipe_data
@@ -15,6 +20,7 @@ from orchestrator.store.db import transaction
 from orchestrator.store.ingest import ingest_events
 from orchestrator.store.models import AnomalyRow, Attempt, CheckpointRow, EvalPoint, MetricPoint, Run
 from orchestrator.store.repo import create_run, metric_series
+from tests.orchestrator import ingest_before
 
 
 def _make_run(factory: sessionmaker[Session]) -> tuple[int, int]:
@@ -187,3 +193,101 @@ def test_eval_events_land_in_eval_points_idempotently_and_never_downsampled(
         assert run is not None and attempt is not None
         assert run.best_loss == pytest.approx(2.78)  # the training loss's aggregate only
         assert attempt.last_step == 23
+
+
+# ------------------------------------------------------------------------- the batched path vs the one before
+_LOSSES = st.one_of(st.floats(min_value=0.01, max_value=100.0), st.sampled_from([math.nan, math.inf, None]))
+
+
+@st.composite
+def _streams(draw: st.DrawFn) -> tuple[list[list[dict[str, Any]]], int]:
+    """One attempt's events cut into deliveries, some redelivered and some out of order; and the downsampling."""
+    n = draw(st.integers(min_value=1, max_value=40))
+    spec: list[tuple[str, dict[str, Any]]] = []
+    for step in range(n):
+        spec.append(_metric(step, draw(_LOSSES), skipped=draw(st.booleans()) and step % 5 == 0,
+                            grad_norm=draw(st.sampled_from([1.0, math.nan, 2.5])),
+                            loss_scale=draw(st.sampled_from([None, 65536.0]))))
+        extra = draw(st.sampled_from(["", "", "", "anomaly", "checkpoint", "eval", "layer_stats"]))
+        if extra == "anomaly":
+            spec.append(("anomaly", {"step": step, "rank": 0, "kind": "loss_spike", "value": math.inf,
+                                     "threshold": 6.0, "action": "record", "details": {"z": math.nan}}))
+        elif extra == "checkpoint":
+            spec.append(("checkpoint", {"step": step, "uri": f"/ckpt/{step}", "sha256": "b" * 64,
+                                        "healthy": draw(st.booleans()), "verdict": {"ok": True},
+                                        "metrics": {"loss": math.nan}}))
+        elif extra == "eval":
+            spec.append(("eval", {"step": step, "eval_loss": draw(_LOSSES)}))
+        elif extra == "layer_stats":
+            spec.append(("layer_stats", {"step": step, "layer_grad_norms": {"b0": 0.5}, "update_ratio": 1e-3}))
+    if draw(st.booleans()):
+        spec.append(("end", {"outcome": "diverged", "final_step": n - 1, "onset_step": n - 1, "value": math.nan}))
+    events = _events(spec)
+    cuts = sorted(draw(st.sets(st.integers(min_value=1, max_value=max(1, len(events) - 1)), max_size=4)))
+    batches = [events[a:b] for a, b in zip([0, *cuts], [*cuts, len(events)], strict=True)]
+    redelivered = [b + batches[i + 1][: len(batches[i + 1]) // 2] if i + 1 < len(batches) else b
+                   for i, b in enumerate(batches)]  # a delivery may repeat part of the next one
+    order = draw(st.permutations(range(len(redelivered))))
+    return [redelivered[i] for i in order] + [draw(st.sampled_from(redelivered))], draw(st.sampled_from([1, 3]))
+
+
+def _stored(factory: sessionmaker[Session], run_id: int, attempt_id: int) -> dict[str, Any]:
+    """Everything ingestion writes for one attempt, without ids and timestamps."""
+    skip = {"id", "run_id", "attempt_id", "created_at"}
+    out: dict[str, Any] = {}
+    with transaction(factory) as s:
+        for model in (MetricPoint, AnomalyRow, CheckpointRow, EvalPoint):
+            table = model.__table__
+            cols = [c for c in table.c if c.name not in skip]
+            key = table.c.seq if model is AnomalyRow else table.c.step
+            rows = s.execute(sa.select(*cols).where(table.c.attempt_id == attempt_id).order_by(key)).all()
+            out[table.name] = [tuple(r) for r in rows]
+        run, attempt = s.get(Run, run_id), s.get(Attempt, attempt_id)
+        assert run is not None and attempt is not None
+        out["run"] = (run.best_loss, run.last_step)
+        out["attempt"] = (attempt.last_seq, attempt.last_step, attempt.outcome, attempt.onset_step, attempt.ray_info)
+    return out
+
+
+@hyp_settings(max_examples=25, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(stream=_streams())
+def test_batched_ingest_writes_what_the_previous_ingest_wrote(
+    session_factory: sessionmaker[Session], stream: tuple[list[list[dict[str, Any]]], int]
+) -> None:
+    """Same deliveries into two attempts, one through today's ingest and one through the code before batching
+    (``ingest_before``, a frozen copy): the same rows, the same per-delivery counts, the same aggregates."""
+    deliveries, every = stream
+    new, old = _make_run(session_factory), _make_run(session_factory)
+    for batch in deliveries:
+        got = _ingest(session_factory, *new, batch, every)
+        with transaction(session_factory) as s:
+            run, attempt = s.get(Run, old[0]), s.get(Attempt, old[1])
+            assert run is not None and attempt is not None
+            want = ingest_before.ingest_events(session=s, run=run, attempt=attempt, events=batch,
+                                               metrics_every_steps=every)
+        assert asdict(got) == asdict(want)
+    assert _stored(session_factory, *new) == _stored(session_factory, *old)
+
+
+@pytest.mark.ray
+@pytest.mark.postgres
+@pytest.mark.slow
+def test_the_ingest_benchmark_runs_both_variants_end_to_end() -> None:
+    """``benchmarks/bench_ingest.py`` at a toy size (its own Ray and database, in a subprocess): both variants
+    commit events through the real channels and scheduler, and every pushed event reaches the store."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parents[2]
+    out = subprocess.run(
+        [sys.executable, str(repo / "benchmarks" / "bench_ingest.py"), "--attempts", "3", "--rate", "300",
+         "--seconds", "2", "--warmup", "1", "--drain-timeout", "60", "--pushers", "1", "--json"],
+        capture_output=True, text=True, timeout=280, check=True,
+    ).stdout
+    results = json.loads(out[out.index("["):])
+    assert [r["variant"] for r in results] == ["before", "after"]
+    for r in results:
+        assert r["events_per_s"] > 0 and r["not_ingested_by_the_drain_timeout"] == 0
+        assert r["rows"]["metric_points"] + r["rows"]["anomalies"] + r["rows"]["checkpoints"] == r["emitted"]

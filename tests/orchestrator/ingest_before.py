@@ -1,0 +1,256 @@
+# A frozen copy of orchestrator/store/ingest.py at 63f183b, before batched inserts: the reference that
+# test_ingest.py compares the current ingest against (same rows, same aggregates). Do not edit.
+"""Worker events → store rows, idempotently.
+
+The event channel may deliver an event twice (a scheduler that died after reading a batch but before committing
+it reads the batch again after a restart), so every row is keyed by a natural unique constraint and inserted
+with ``ON CONFLICT DO NOTHING`` (metric points per (attempt, step), anomalies per (attempt, seq), checkpoints per
+(attempt, step)); run and attempt aggregates are maxima/minima, so applying a batch twice changes nothing.
+
+Where things go:
+
+- ``metric`` → ``metric_points``, downsampled to every ``metrics_every_steps``-th step for long runs; skipped
+  steps, non-finite losses, steps with an anomaly in the same batch and the attempt's final step are always kept.
+- ``anomaly`` → ``anomalies``; ``checkpoint`` → ``checkpoints`` (with the health verdict).
+- ``eval`` → ``eval_points`` per (attempt, step), never downsampled (one per ``training.eval_interval`` steps).
+- ``layer_stats`` → the newest snapshot per attempt in ``attempts.ray_info["layer_stats"]``: the per-layer
+  profile is a diagnosis aid (its findings arrive as anomalies), and a row per layer per k steps would outgrow
+  the metric table for no reader.
+- ``end`` → ``attempts.outcome`` / ``onset_step`` / ``last_step``. State changes are the scheduler's job (it
+  decides what an outcome means for the run), never ingestion's.
+
+Non-finite floats (a NaN loss is exactly what Ballast exists to record) are stored as NULL in float columns
+(SQLite cannot hold NaN, and JSON responses cannot carry it) and as the strings "NaN"/"Infinity"/"-Infinity"
+inside JSON columns, which PostgreSQL's ``json`` type would otherwise refuse.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from sqlalchemy.dialects import postgresql, sqlite
+from sqlalchemy.orm import Session
+
+from contracts.wire import finite_or_none
+from orchestrator.store.models import AnomalyRow, Attempt, CheckpointRow, EvalPoint, MetricPoint, Run
+
+
+@dataclass
+class IngestResult:
+    """What one call wrote (new rows only) and whether the batch closed the attempt."""
+
+    metrics: int = 0
+    anomalies: int = 0
+    checkpoints: int = 0
+    evals: int = 0
+    end: dict[str, Any] | None = None
+    """The ``end`` event's data, when the batch held one."""
+    max_seq: int = 0
+    steps: list[int] = field(default_factory=list)
+
+
+def number_or_none(x: Any) -> float | None:
+    """A float column value: None for missing, non-numeric (bools included) or non-finite values."""
+    if x is None or isinstance(x, bool):
+        return None
+    try:
+        return finite_or_none(float(x))
+    except (TypeError, ValueError):
+        return None
+
+
+def jsonable(x: Any) -> Any:
+    """A JSON column value: non-finite floats become the strings JSON itself lacks."""
+    if isinstance(x, float) and not math.isfinite(x):
+        return "NaN" if math.isnan(x) else ("Infinity" if x > 0 else "-Infinity")
+    if isinstance(x, Mapping):
+        return {str(k): jsonable(v) for k, v in x.items()}
+    if isinstance(x, list | tuple):
+        return [jsonable(v) for v in x]
+    return x
+
+
+def _insert(session: Session, table: Any) -> Any:
+    """The dialect's INSERT that supports ``on_conflict_do_nothing`` (SQLite and PostgreSQL spell it alike)."""
+    name = session.get_bind().dialect.name
+    if name == "postgresql":
+        return postgresql.insert(table)
+    if name == "sqlite":
+        return sqlite.insert(table)
+    raise NotImplementedError(f"database dialect {name!r} is not supported (SQLite or PostgreSQL)")
+
+
+def _insert_ignore(session: Session, table: Any, keys: Sequence[str], rows: list[dict[str, Any]]) -> int:
+    if not rows:
+        return 0
+    # RETURNING counts what was new on both backends (a driver's executemany rowcount is not reliable)
+    stmt = _insert(session, table).on_conflict_do_nothing(index_elements=list(keys)).returning(table.c.id)
+    return len(session.execute(stmt, rows).all())
+
+
+def _int(x: Any, default: int = 0) -> int:
+    try:
+        return int(x)
+    except (TypeError, ValueError):
+        return default
+
+
+@dataclass
+class _Rows:
+    """One batch turned into rows and aggregates, before anything is written."""
+
+    run_id: int
+    attempt_id: int
+    metrics_every_steps: int
+    anomaly_steps: set[int]
+    """Steps with an anomaly in this batch: their metric points are always kept."""
+    final_step: int
+    """The attempt's final step, when the batch ends it (else -1): always kept."""
+    metrics: list[dict[str, Any]] = field(default_factory=list)
+    anomalies: list[dict[str, Any]] = field(default_factory=list)
+    checkpoints: list[dict[str, Any]] = field(default_factory=list)
+    evals: list[dict[str, Any]] = field(default_factory=list)
+    best: float | None = None
+    last_step: int | None = None
+    layer_stats: dict[str, Any] | None = None
+
+    def add(self, ev: Mapping[str, Any]) -> None:
+        kind, data = ev.get("type"), ev.get("data") or {}
+        step = data.get("step")
+        if step is not None:
+            self.last_step = max(self.last_step if self.last_step is not None else -1, _int(step))
+        if kind == "metric":
+            self._metric(data)
+        elif kind == "anomaly":
+            self._anomaly(_int(ev.get("seq")), data)
+        elif kind == "checkpoint":
+            self._checkpoint(data)
+        elif kind == "eval":
+            self.evals.append({"run_id": self.run_id, "attempt_id": self.attempt_id, "step": _int(step),
+                               "eval_loss": number_or_none(data.get("eval_loss"))})
+        elif kind == "layer_stats":
+            if self.layer_stats is None or _int(step) >= _int(self.layer_stats.get("step")):
+                self.layer_stats = dict(jsonable(data))
+
+    def _metric(self, data: Mapping[str, Any]) -> None:
+        step = _int(data.get("step"))
+        loss = number_or_none(data.get("loss"))
+        skipped = bool(data.get("skipped", False))
+        if loss is not None and not skipped:
+            self.best = loss if self.best is None else min(self.best, loss)
+        keep = (
+            step % self.metrics_every_steps == 0
+            or skipped
+            or loss is None
+            or step in self.anomaly_steps
+            or step == self.final_step
+        )
+        if keep:
+            self.metrics.append({
+                "run_id": self.run_id,
+                "attempt_id": self.attempt_id,
+                "step": step,
+                "loss": loss,
+                **{k: number_or_none(data.get(k))
+                   for k in ("grad_norm", "grad_norm_clipped", "lr", "loss_scale", "throughput")},
+                "skipped": skipped,
+            })
+
+    def _anomaly(self, seq: int, data: Mapping[str, Any]) -> None:
+        details = dict(jsonable(data.get("details") or {}))
+        for key in ("value", "threshold"):
+            raw = data.get(key)
+            if raw is not None and number_or_none(raw) is None:
+                details.setdefault(key, jsonable(raw))
+        self.anomalies.append({
+            "run_id": self.run_id,
+            "attempt_id": self.attempt_id,
+            "seq": seq,
+            "step": _int(data.get("step")),
+            "rank": _int(data.get("rank")),
+            "kind": str(data.get("kind", "unknown"))[:40],
+            "detector": str(data.get("detector", data.get("kind", "unknown")))[:40],
+            "value": number_or_none(data.get("value")),
+            "threshold": number_or_none(data.get("threshold")),
+            "action": str(data.get("action", "record"))[:16],
+            "details": details,
+        })
+
+    def _checkpoint(self, data: Mapping[str, Any]) -> None:
+        self.checkpoints.append({
+            "run_id": self.run_id,
+            "attempt_id": self.attempt_id,
+            "step": _int(data.get("step")),
+            "uri": str(data.get("uri", "")),
+            "sha256": str(data.get("sha256", ""))[:64],
+            "healthy": bool(data.get("healthy", False)),
+            "verdict": jsonable(data.get("verdict") or {}),
+            "metrics": jsonable(data.get("metrics") or {}),
+        })
+
+
+def ingest_events(
+    *,
+    session: Session,
+    run: Run,
+    attempt: Attempt,
+    events: Iterable[Mapping[str, Any]],
+    metrics_every_steps: int = 1,
+) -> IngestResult:
+    """Write one attempt's events (any order, possibly redelivered) and update the aggregates. Flushes only."""
+    if metrics_every_steps < 1:
+        raise ValueError(f"metrics_every_steps: must be >= 1, got {metrics_every_steps}")
+    evs = sorted(events, key=lambda e: _int(e.get("seq")))
+    res = IngestResult()
+    if not evs:
+        return res
+    res.max_seq = max(_int(e.get("seq")) for e in evs)
+    end = next((dict(e["data"]) for e in reversed(evs) if e.get("type") == "end"), None)
+    rows = _Rows(
+        run_id=run.id, attempt_id=attempt.id, metrics_every_steps=metrics_every_steps,
+        anomaly_steps={_int(e["data"].get("step"), -1) for e in evs if e.get("type") == "anomaly"},
+        final_step=_int(end.get("final_step"), -1) if end is not None else -1,
+    )
+    for ev in evs:
+        rows.add(ev)
+
+    res.metrics = _insert_ignore(session, MetricPoint.__table__, ("attempt_id", "step"), rows.metrics)
+    res.anomalies = _insert_ignore(session, AnomalyRow.__table__, ("attempt_id", "seq"), rows.anomalies)
+    res.checkpoints = _insert_ignore(session, CheckpointRow.__table__, ("attempt_id", "step"), rows.checkpoints)
+    res.evals = _insert_ignore(session, EvalPoint.__table__, ("attempt_id", "step"), rows.evals)
+    res.steps = sorted({r["step"] for r in rows.metrics})
+    last_step = rows.last_step
+    if end is not None:
+        if rows.final_step >= 0:
+            last_step = max(last_step if last_step is not None else -1, rows.final_step)
+        _record_end(attempt, end)
+        res.end = end
+    _update_aggregates(run, attempt, rows, last_step, res.max_seq)
+    session.flush()
+    return res
+
+
+def _record_end(attempt: Attempt, end: Mapping[str, Any]) -> None:
+    """The ``end`` event, stored whole (a newer worker's extra keys included); the onset also in its column."""
+    attempt.outcome = jsonable(end)
+    onset = end.get("onset_step")
+    attempt.onset_step = _int(onset) if onset is not None else None
+
+
+def _update_aggregates(run: Run, attempt: Attempt, rows: _Rows, last_step: int | None, max_seq: int) -> None:
+    """Maxima and minima only, so a redelivered batch changes nothing."""
+    if rows.layer_stats is not None:
+        current = (attempt.ray_info or {}).get("layer_stats") or {}
+        if _int(rows.layer_stats.get("step")) >= _int(current.get("step"), -1):
+            attempt.ray_info = {**(attempt.ray_info or {}), "layer_stats": rows.layer_stats}
+    if last_step is not None and last_step >= 0:
+        attempt.last_step = last_step if attempt.last_step is None else max(attempt.last_step, last_step)
+        if attempt.number >= run.current_attempt:
+            # the run is where its newest attempt is (a rollback moves it back)
+            run.last_step = attempt.last_step
+    if rows.best is not None:
+        run.best_loss = rows.best if run.best_loss is None else min(run.best_loss, rows.best)
+    attempt.last_seq = max(attempt.last_seq or 0, max_seq)
