@@ -24,8 +24,7 @@ from contracts.recipe import RecipeError
 from contracts.wire import AttemptSpec, one_line
 from workers.comm import EngineConfigError
 from workers.data import SpecError, build_data
-from workers.models import build_model, freeze_first_n_blocks, set_activation_checkpointing
-from workers.models.lora import apply_lora
+from workers.models import apply_distributed, build_model
 from workers.objective import Objective
 
 CONFIG_ERRORS: tuple[type[Exception], ...] = (SpecError, RecipeError, EngineConfigError)
@@ -52,12 +51,7 @@ def _setup(raw: Mapping[str, Any], world_size: int) -> None:
     allowed = spec.allowed_import_modules
     data = build_data(r.data, seed=r.training.seed, batch_size=r.training.batch_size, rank=0,
                       world_size=max(1, world_size), allowed_import_modules=allowed)
-    model = build_model(r.model, data, seed=r.training.seed, allowed_import_modules=allowed, loss=r.loss)
-    if r.distributed.lora is not None:
-        apply_lora(model, r.distributed.lora)
-    if r.distributed.freeze_first_n_blocks:
-        freeze_first_n_blocks(model, r.distributed.freeze_first_n_blocks)
-    if r.distributed.activation_checkpointing:
-        set_activation_checkpointing(model, True)
+    model = apply_distributed(build_model(r.model, data, seed=r.training.seed, allowed_import_modules=allowed,
+                                          loss=r.loss), r.distributed)
     with torch.no_grad():  # the same call convention and loss as the training step (workers/objective.py)
         Objective(model, r.loss).loss(data.batch(0))

@@ -55,8 +55,7 @@ from workers.data import DataSource, build_data, to_device
 from workers.detectors import Decision, DetectorSuite, Finding, StepSignals
 from workers.evaluation import EvalHistory, eval_due
 from workers.faults import FaultInjector
-from workers.models import build_model, freeze_first_n_blocks, param_block_index, set_activation_checkpointing
-from workers.models.lora import apply_lora
+from workers.models import apply_distributed, build_model, param_block_index
 from workers.objective import Objective
 from workers.optim import build_optimizer, hyperparameters
 from workers.precision import LossScaler
@@ -421,13 +420,7 @@ class GuardedTrainer:
         r = self.recipe
         model = build_model(r.model, self.data, seed=r.training.seed,
                             allowed_import_modules=self.spec.allowed_import_modules, loss=r.loss)
-        if r.distributed.lora is not None:
-            apply_lora(model, r.distributed.lora)
-        if r.distributed.freeze_first_n_blocks:
-            freeze_first_n_blocks(model, r.distributed.freeze_first_n_blocks)
-        if r.distributed.activation_checkpointing:
-            set_activation_checkpointing(model, True)
-        return model.to(self.device)
+        return apply_distributed(model, r.distributed).to(self.device)
 
     def _block_membership(self) -> list[Tensor]:
         """For each block, the indices of its trainable parameters in ``self.params`` (the grad-norm order)."""

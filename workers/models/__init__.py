@@ -17,7 +17,7 @@ from workers.models.blocks import (
     param_block_index,
     set_activation_checkpointing,
 )
-from workers.models.build import build_model, validate_model
+from workers.models.build import apply_distributed, build_model, validate_model
 from workers.models.builtin import (
     BallastModel,
     CausalSelfAttention,
@@ -32,7 +32,8 @@ from workers.models.builtin import (
 
 __all__ = [
     "BallastModel", "CausalSelfAttention", "DeepMLP", "LinearRegression", "MLPBlock", "RecurrentLayer",
-    "RecurrentNet", "TinyGPT", "TransformerBlock", "activation_checkpointing_enabled", "attach_blocks",
+    "RecurrentNet", "TinyGPT", "TransformerBlock", "activation_checkpointing_enabled", "apply_distributed",
+    "attach_blocks",
     "build_model", "find_blocks", "freeze_first_n_blocks", "model_blocks", "param_block_index",
     "set_activation_checkpointing", "validate_model",
 ]

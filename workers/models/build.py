@@ -15,6 +15,7 @@ from torch import nn
 from contracts.recipe import (
     CustomModel,
     DeepMLPModel,
+    Distributed,
     HFCausalLMModel,
     LinearModel,
     LossSpec,
@@ -23,9 +24,10 @@ from contracts.recipe import (
     TinyGPTModel,
 )
 from workers.data import Batch, DataDims, SpecError, resolve_import
-from workers.models.blocks import attach_blocks
+from workers.models.blocks import attach_blocks, freeze_first_n_blocks, set_activation_checkpointing
 from workers.models.builtin import DeepMLP, LinearRegression, RecurrentNet, TinyGPT
 from workers.models.hf import build_hf_causal_lm, check_hf_data
+from workers.models.lora import apply_lora
 from workers.objective import Objective
 
 
@@ -139,4 +141,16 @@ def build_model(
         model.train()
     else:
         attach_blocks(model)
+    return model
+
+
+def apply_distributed(model: nn.Module, dist: Distributed) -> nn.Module:
+    """The recipe's model-side ``distributed`` options, in the one order the trainer and the preflight probe both
+    use: LoRA adapters (which freeze the base), then frozen blocks, then activation checkpointing."""
+    if dist.lora is not None:
+        apply_lora(model, dist.lora)
+    if dist.freeze_first_n_blocks:
+        freeze_first_n_blocks(model, dist.freeze_first_n_blocks)
+    if dist.activation_checkpointing:
+        set_activation_checkpointing(model, True)
     return model
