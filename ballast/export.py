@@ -157,7 +157,8 @@ def fresh_model(recipe: Recipe, allowed_import_modules: list[str] | None = None)
     try:
         data = build_data(recipe.data, seed=recipe.training.seed, batch_size=recipe.training.batch_size,
                           allowed_import_modules=allowed)
-        return build_model(recipe.model, data, seed=recipe.training.seed, allowed_import_modules=allowed)
+        return build_model(recipe.model, data, seed=recipe.training.seed, allowed_import_modules=allowed,
+                           loss=recipe.loss)
     except SpecError as exc:
         raise ExportError(f"cannot rebuild the run's model here: {exc} (custom models: allow their module in "
                           "BALLAST_ALLOWED_IMPORT_MODULES)") from exc

@@ -319,3 +319,55 @@ def test_export_from_a_local_train_directory(tmp_path: Path) -> None:
     assert res.exit_code == 2 and "not a run id, nor a checkpoint directory" in res.stderr
     res = export(tmp_path / "ckpt", tmp_path / "x", "--recipe", recipe_file, "--step", "7")
     assert res.exit_code == 2 and "step 7: no checkpoint there" in res.stderr
+
+
+# ----------------------------------------------------------------------------- the README's own-model examples
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _train_example(recipe: Recipe, root: Path) -> Path:
+    """Train ``recipe`` with the local loop (its fault left out) and return its newest healthy checkpoint."""
+    sinks: list[ListSink] = []
+
+    def make_sink(spec: Any, start: int) -> ListSink:
+        sinks.append(ListSink())
+        return sinks[-1]
+
+    outcome = LocalRun(recipe, root, run_in_process, make_sink=make_sink, allowed_import_modules=["examples"]).run()
+    assert outcome.outcome == "succeeded", outcome.to_dict()["reason"]
+    return Path([e["data"]["uri"] for e in sinks[-1].events if e["type"] == "checkpoint" and e["data"]["healthy"]][-1])
+
+
+def test_the_unmodified_classifier_exports_into_a_fresh_classifier(tmp_path: Path) -> None:
+    from examples.classifier.model import Classifier
+
+    doc = yaml.safe_load((REPO / "examples/classifier/recipe.yaml").read_text())
+    doc.pop("faults")
+    doc["training"]["max_steps"] = 30
+    recipe = load_recipe(yaml.safe_dump(doc), allowed_import_modules=["examples"])
+    ckpt = _train_example(recipe, tmp_path / "trained")
+    for fmt, name in (("state_dict", "model.pt"), ("safetensors", "model.safetensors")):
+        export_checkpoint(ckpt, recipe, tmp_path / fmt, format=fmt, allowed_import_modules=["examples"])
+        model = Classifier(**doc["model"]["params"])  # the user's own class, no Ballast in between
+        if fmt == "state_dict":
+            model.load_state_dict(torch.load(tmp_path / fmt / name, weights_only=True), strict=True)
+        else:
+            missing, unexpected = load_model(model, tmp_path / fmt / name, strict=True)
+            assert not missing and not unexpected
+        assert_equal_weights(model, saved_weights(ckpt))
+
+
+def test_a_hugging_face_gpt2_exports_with_save_pretrained(tmp_path: Path) -> None:
+    transformers = pytest.importorskip("transformers")
+    from examples.hf_gpt2.data import write_tokens
+
+    doc = yaml.safe_load((REPO / "examples/hf_gpt2/recipe.yaml").read_text())
+    doc.pop("faults")
+    doc["training"]["max_steps"] = 30
+    doc["success"] = {"min_progress": 0.0, "early_min_progress": 0.0}  # 30 steps: the export, not the learning
+    doc["data"]["path"] = str(write_tokens(tmp_path / "tokens.npy"))
+    recipe = load_recipe(yaml.safe_dump(doc))
+    ckpt = _train_example(recipe, tmp_path / "trained")
+    export_checkpoint(ckpt, recipe, tmp_path / "hf", format="hf")
+    model = transformers.GPT2LMHeadModel.from_pretrained(tmp_path / "hf", local_files_only=True)
+    assert_equal_weights(model, saved_weights(ckpt))
