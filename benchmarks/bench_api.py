@@ -34,7 +34,6 @@ import statistics
 import subprocess
 import sys
 import time
-import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -46,9 +45,9 @@ sys.path.insert(0, str(REPO))
 
 import sqlalchemy as sa  # noqa: E402
 from fastapi import FastAPI  # noqa: E402
+from pg import pg_database  # noqa: E402  (benchmarks/pg.py)
 from pydantic import BaseModel  # noqa: E402
 
-PG_ADMIN_URL = os.environ.get("BALLAST_TEST_PG_URL", "postgresql+psycopg://postgres@127.0.0.1:5432/postgres")
 PEPPER = "bench-pepper"
 RECIPE: dict[str, Any] = {
     "apiVersion": "ballast/v1",
@@ -92,19 +91,6 @@ def bare_app() -> FastAPI:
 
 
 # --------------------------------------------------------------------------------------------- the database
-@contextmanager
-def pg_database() -> Iterator[str]:
-    name = f"ballast_bench_{uuid.uuid4().hex[:10]}"
-    admin = sa.create_engine(PG_ADMIN_URL, isolation_level="AUTOCOMMIT")
-    with admin.connect() as conn:
-        conn.execute(sa.text(f'CREATE DATABASE "{name}"'))
-    url = sa.engine.make_url(PG_ADMIN_URL).set(database=name).render_as_string(hide_password=False)
-    try:
-        yield url
-    finally:
-        with admin.connect() as conn:
-            conn.execute(sa.text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
-        admin.dispose()
 
 
 def prepare(url: str) -> tuple[str, int]:
@@ -312,7 +298,7 @@ def main() -> None:
 
     body = json.dumps(RECIPE).encode()
     rows: list[dict[str, Any]] = []
-    with pg_database() as url:
+    with pg_database("ballast_bench") as url:
         token, run_id = prepare(url)
         auth = {"Authorization": f"Bearer {token}"}
         json_headers = {"Content-Type": "application/json"}

@@ -55,8 +55,7 @@ import threading
 import time
 import types
 import uuid
-from collections.abc import Callable, Iterator, Mapping
-from contextlib import contextmanager
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -64,8 +63,8 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 import sqlalchemy as sa  # noqa: E402
+from pg import pg_database  # noqa: E402  (benchmarks/pg.py)
 
-PG_ADMIN_URL = os.environ.get("BALLAST_TEST_PG_URL", "postgresql+psycopg://postgres@127.0.0.1:5432/postgres")
 BEFORE_COMMIT = "63f183b"
 """The last commit before the batching work (its ``orchestrator/store/ingest.py`` is the ``before`` variant)."""
 RECIPE: dict[str, Any] = {"name": "ingest-bench", "checkpoint": {"keep": 3}}
@@ -73,19 +72,6 @@ SCHEDULER_ID = "bench-ingest"
 
 
 # --------------------------------------------------------------------------------------------- the database
-@contextmanager
-def pg_database() -> Iterator[str]:
-    name = f"ballast_bench_ingest_{uuid.uuid4().hex[:10]}"
-    admin = sa.create_engine(PG_ADMIN_URL, isolation_level="AUTOCOMMIT")
-    with admin.connect() as conn:
-        conn.execute(sa.text(f'CREATE DATABASE "{name}"'))
-    url = sa.engine.make_url(PG_ADMIN_URL).set(database=name).render_as_string(hide_password=False)
-    try:
-        yield url
-    finally:
-        with admin.connect() as conn:
-            conn.execute(sa.text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
-        admin.dispose()
 
 
 def make_runs(factory: Any, n: int) -> list[int]:
@@ -468,7 +454,7 @@ def main() -> None:
                                                "before": load_before(args.before_commit).ingest_events}
     order = [v for v in args.variants.split(",") if v] * args.repeats
     results = []
-    with pg_database() as url, tempfile.TemporaryDirectory() as tmpdir:
+    with pg_database("ballast_bench_ingest") as url, tempfile.TemporaryDirectory() as tmpdir:
         migrations.upgrade(url)
         engine = make_engine(url)
         factory = make_session_factory(engine)
