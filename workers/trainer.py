@@ -140,6 +140,8 @@ class GuardedTrainer:
         self._pending_update_ratio: Tensor | None = None
         if saved is not None:
             self._restore(saved)
+        else:
+            self._measure_untrained()
 
         self.result = AttemptOutcome(outcome="succeeded", attempt=spec.attempt, start_step=self.start_step,
                                      final_step=self.start_step)
@@ -357,6 +359,32 @@ class GuardedTrainer:
         if self.sink is not None:
             self.sink.emit("eval", payload)
         return value
+
+    def _measure_untrained(self) -> None:
+        """A fresh start's baseline for the loss detector's untrained-ratio rule: the untrained model's loss on the
+        batches of the first ``untrained_steps`` steps (the very batches those steps will train on, with the data
+        faults a step would see), computed as a step computes its loss (training mode, autocast, the mean over the
+        micro-batches and the ranks: one all-gather), forward only. The RNG state is restored after, so the run
+        trains exactly as it would without the measurement."""
+        cfg = self.recipe.detectors.loss_spike
+        steps = min(cfg.untrained_steps, self.recipe.training.max_steps)
+        if not cfg.enabled or cfg.max_untrained_ratio is None or steps == 0:
+            return
+        accum = self.recipe.training.grad_accum_steps
+        saved_rng = rng_state()
+        losses = torch.zeros(steps, dtype=torch.float32, device=self.device)
+        try:
+            with torch.no_grad():
+                for step in range(steps):
+                    for micro in range(accum):
+                        index = (step + self.spec.data_offset) * accum + micro
+                        batch = to_device(self.faults.on_batch(step, self.data.batch(index)), self.device)
+                        loss = self.faults.on_loss(step, self.objective.loss(batch), batch)
+                        losses[step] += loss.detach().float() / accum
+        finally:
+            set_rng_state(saved_rng)
+        rows = gather_rows(losses, self.ctx)
+        self.detectors.loss_spike.set_untrained([sum(col) / len(rows) for col in zip(*rows, strict=True)])
 
     # --------------------------------------------------------------------------------------- verdict
     def _evidence(self) -> Evidence:

@@ -7,7 +7,8 @@ time (the recipe's ``success`` section holds the tolerances):
   tightening of the LR or the clip threshold can help, so the recovery policy gives up with this diagnosis.
 - **never learned**: the final loss has not covered ``min_progress`` of the way from the clean initial loss down
   to the data's known loss floor (0 when unknown). The same test, with ``early_min_progress``, runs once at the
-  early check (``early_check_step``), so a run that never learns is stopped after a quarter of its steps.
+  early check (``early_check_step``), so a run that never learns is stopped after a quarter of its steps; there
+  too, a run whose gradients vanished gets the vanishing diagnosis, not a retry that cannot help.
 - **degraded**: the final loss is more than ``regression_tolerance`` above the best smoothed loss the lineage
   reached; the onset is just after the best step, so the rollback goes back to the best checkpoint.
 - **eval degraded / never learned (held out)**, only when the attempt measured an eval loss
@@ -127,12 +128,25 @@ def judge_progress(cfg: Success, *, smoothed_loss: float, ev: Evidence, step: in
     p = progress(smoothed_loss, ev.initial_loss, ev.loss_floor)
     if p is None or cfg.early_min_progress == 0.0 or p >= cfg.early_min_progress:
         return Verdict(None, "learning")
+    if ev.vanishing:  # the same diagnosis as at the end: no LR or clip retry can help, so do not spend one
+        return _vanishing(smoothed_loss, p, ev, cfg.early_min_progress, f"by step {step} the smoothed loss")
     floor = "its floor" if ev.loss_floor is None else f"the floor {_fmt(ev.loss_floor)}"
     return Verdict(
         NEVER_LEARNED,
         f"never learned: by step {step} the smoothed loss {_fmt(smoothed_loss)} covered {p:.0%} of the way from "
         f"the initial {_fmt(ev.initial_loss)} to {floor} (needs {cfg.early_min_progress:.0%})",
         value=smoothed_loss, threshold=_threshold(ev, cfg.early_min_progress), onset_step=ev.start_step,
+    )
+
+
+def _vanishing(value: float, p: float, ev: Evidence, share: float, what: str) -> Verdict:
+    """The vanishing diagnosis (the detector fired and the loss made no real progress), at the end or early."""
+    return Verdict(
+        VANISHING,
+        f"vanishing gradients: {what} {_fmt(value)} covered {p:.0%} of the way from the initial "
+        f"{_fmt(ev.initial_loss)} to the floor; tightening the LR or clip cannot fix vanishing gradients "
+        "(change the activation, the initialisation, normalisation or residual connections)",
+        value=value, threshold=_threshold(ev, share), onset_step=ev.start_step,
     )
 
 
@@ -150,14 +164,8 @@ def judge_end(cfg: Success, ev: Evidence) -> Verdict:
         return Verdict(DEGRADED, "no finite loss in the attempt's last steps", onset_step=ev.start_step)
     p = progress(final, ev.initial_loss, ev.loss_floor)
     learned = p is None or cfg.min_progress == 0.0 or p >= cfg.min_progress
-    if ev.vanishing and not learned:
-        return Verdict(
-            VANISHING,
-            f"vanishing gradients: the final loss {_fmt(final)} covered {p:.0%} of the way from the initial "
-            f"{_fmt(ev.initial_loss)} to the floor; tightening the LR or clip cannot fix vanishing gradients "
-            "(change the activation, the initialisation, normalisation or residual connections)",
-            value=final, threshold=_threshold(ev, cfg.min_progress), onset_step=ev.start_step,
-        )
+    if ev.vanishing and not learned and p is not None:
+        return _vanishing(final, p, ev, cfg.min_progress, "the final loss")
     if not learned:
         return Verdict(
             NEVER_LEARNED,

@@ -67,6 +67,16 @@ class LossSpikeDetector(Section):
     the initial loss down to the best smoothed loss (a run that learned, then collapsed back towards where it
     started). Only once the best smoothed loss is at least 10% (and 4 batch-noise deviations) below the initial
     loss; no warmup. None disables."""
+    max_untrained_ratio: StrictFloat | None = Field(default=1.1, gt=1.0)
+    """Fire (kind divergence, at once) when, in the first ``untrained_steps`` steps of a fresh start, the loss
+    exceeds this multiple of the *untrained* model's loss on the same batch. Before the first update the trainer
+    measures the untrained model on the batches of those steps (forward only); the comparison is paired, so batch
+    noise cancels, and a healthy run's loss on a batch is never above the untrained model's by more than a hair:
+    rising above it means the updates overshot (an LR above the stability edge, the blow-up a warmup prevents),
+    however fast the loss falls back afterwards. None disables."""
+    untrained_steps: StrictInt = Field(default=16, ge=0, le=1024)
+    """How many of the first steps the untrained model is measured on (that many forward passes before the first
+    update); 0 disables the ``max_untrained_ratio`` rule."""
     ema_alpha: StrictFloat = Field(default=0.05, gt=0.0, lt=1.0)
     """EMA coefficient for mean, variance and the smoothed loss."""
     warmup_steps: StrictInt = Field(default=25, ge=0)

@@ -94,7 +94,8 @@ class Recovery(Section):
     min_clip: StrictFloat = Field(default=0.01, gt=0.0)
     """Floor for the tightened clip threshold."""
     fp16_to_bf16: StrictBool = True
-    """Switch fp16 to bf16 when the loss scale collapsed."""
+    """Switch fp16 to bf16 when the loss scale collapsed or the values went non-finite in fp16: that retry
+    changes the dtype only (fp16's range failed, not the step size)."""
     early_failure_steps: StrictInt = Field(default=20, ge=0)
     """A retry that fails within this many steps of its start resumes further back next time."""
     in_place: StrictBool = True

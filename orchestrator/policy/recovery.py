@@ -52,9 +52,10 @@ with the same settings, the baseline other systems apply):
     so ``min_clip``, a norm, does not apply). ``none``: turns on ``global_norm`` clipping at the median-based
     threshold when known, else at the recipe's ``max_norm``, floored at ``min_clip``.
     ``median_grad_norm`` is the newest one known in ``history`` (a short retry may not have measured one).
-  - fp16 → bf16 (``precision.dtype``) when the ended attempt's loss scale collapsed, ``fp16_to_bf16`` is on and
-    the dtype is fp16 — in addition to the LR/clip tightening above; the switch alone is enough to retry when
-    LR and clip are at their floors.
+  - fp16 → bf16 (``precision.dtype``) *instead of* the LR/clip tightening above when the dtype is fp16,
+    ``fp16_to_bf16`` is on and the ended attempt's loss scale collapsed or its values went non-finite
+    (``fp16_overflow``): fp16's range failed, not the step size, so only the dtype changes (cutting the LR as
+    well under-trains the retry); if bf16 diverges too, the next retry tightens as usual.
   - Nothing can change (both knobs at their floors, no dtype switch) → ``GiveUp``.
 - ``rewarm_steps`` from the recipe. ``skip_data_window``: ``data_offset += onset - resume_step + 1``, i.e. the
   batches of steps ``resume_step..onset`` *inclusive* are skipped (the onset batch is the likeliest culprit);
@@ -397,6 +398,9 @@ def _tightening(
     eff: Recipe, history: Sequence[AttemptRecord], last: AttemptRecord, onset: int, used: int
 ) -> tuple[list[Change], list[str]] | str:
     """The changes the evidence calls for and their texts, or (a str) why nothing can change: the floors."""
+    overflow = fp16_overflow(eff, last)
+    if overflow:  # fp16's range failed, not the step size: switch the dtype alone (the LR follows if it recurs)
+        return [Change(DTYPE, DType.bf16.value)], [f"precision fp16→bf16 ({overflow}); lr and clip unchanged"]
     order = tighten_order_for(eff, last.detector)
     median = next(
         (a.median_grad_norm for a in reversed(history)
@@ -417,12 +421,22 @@ def _tightening(
     moved = [k for k in (*chosen, warm) if k.changes]
     changes = [c for k in moved for c in k.changes]
     texts = [k.text for k in moved]
-    if last.loss_scale_collapsed and eff.recovery.fp16_to_bf16 and eff.precision.dtype is DType.fp16:
-        changes.append(Change(DTYPE, DType.bf16.value))
-        texts.append("precision fp16→bf16 (loss scale collapsed)")
     if not changes:
         return ", ".join(k.text for k in (lr_knob, clip_knob))
     return changes, texts
+
+
+def fp16_overflow(eff: Recipe, last: AttemptRecord) -> str:
+    """Why the ended attempt looks like an fp16 overflow ('' when it does not, or the switch is off or done):
+    its dynamic loss scale collapsed, or its loss or gradients went non-finite while training in fp16. Either
+    is fp16's narrow range failing (activations or gradients above 65504), which bf16's range fixes."""
+    if not eff.recovery.fp16_to_bf16 or eff.precision.dtype is not DType.fp16:
+        return ""
+    if last.loss_scale_collapsed:
+        return "loss scale collapsed"
+    if last.detector == "nonfinite":
+        return "non-finite values in fp16"
+    return ""
 
 
 def _resume_point(

@@ -344,7 +344,35 @@ def test_fp16_to_bf16_when_the_loss_scale_collapsed(dtype: str, collapsed: bool,
     p = plan(r, [diverged(loss_scale_collapsed=collapsed)], EVERY_100)
     assert (p.overrides.get("precision.dtype") == ("fp16", "bf16")) is expect_bf16
     assert ("fp16→bf16" in p.reason) is expect_bf16
-    assert "optimizer.lr" in p.overrides  # LR is still tightened
+    # an fp16 overflow changes the dtype only (the step size is not to blame); anything else tightens the LR
+    assert ("optimizer.lr" in p.overrides) is not expect_bf16
+
+
+@pytest.mark.parametrize(
+    ("dtype", "detector", "expect"),
+    [
+        ("fp16", "nonfinite", {"precision.dtype": ("fp16", "bf16")}),
+        ("bf16", "nonfinite", {"optimizer.lr": (1e-3, 5e-4)}),
+        ("fp16", "loss_spike", {"optimizer.lr": (1e-3, 5e-4)}),
+    ],
+)
+def test_non_finite_values_in_fp16_switch_the_dtype_alone(dtype: str, detector: str,
+                                                          expect: dict[str, tuple[object, object]]) -> None:
+    r = recipe(precision={"dtype": dtype})
+    p = plan(r, [diverged(detector=detector)], EVERY_100)
+    assert p.overrides == expect
+    assert ("non-finite values in fp16" in p.reason) is (expect.get("precision.dtype") is not None)
+
+
+def test_after_the_switch_to_bf16_a_recurrence_tightens_the_lr() -> None:
+    r = recipe(precision={"dtype": "fp16"})
+    first = diverged(1, 812, loss_scale_collapsed=True)
+    p1 = plan(r, [first], EVERY_100)
+    second = diverged(2, 830, kind="numeric_retry", start=800, detector="nonfinite",
+                      overrides=p1.overrides_json())
+    p2 = plan(r, [first, second], EVERY_100)
+    assert p2.overrides["precision.dtype"] == ("fp16", "bf16")
+    assert p2.overrides["optimizer.lr"][1] < 1e-3
 
 
 def test_dtype_switch_alone_is_enough_when_lr_and_clip_are_at_floor() -> None:
@@ -474,10 +502,10 @@ def test_malformed_overrides_name_the_path() -> None:
 def test_plan_json_forms_and_effective_values() -> None:
     r = recipe(precision={"dtype": "fp16"}, recovery={"skip_data_window": True})
     p = plan(r, [diverged(1, 812, loss_scale_collapsed=True)], EVERY_100)
-    assert p.overrides_json() == {"optimizer.lr": [1e-3, 5e-4], "precision.dtype": ["fp16", "bf16"]}
+    assert p.overrides_json() == {"precision.dtype": ["fp16", "bf16"]}
     assert p.plan_json() == {"rewarm_steps": 20, "data_offset": 13, "resume_uri": "file:///ck/1/800"}
     values = effective_values(r, p.overrides_json())
-    assert values["optimizer.lr"] == 5e-4 and values["precision.dtype"] == "bf16"
+    assert values["optimizer.lr"] == 1e-3 and values["precision.dtype"] == "bf16"
     assert effective_values(r, None)["precision.dtype"] == "fp16"
 
 

@@ -606,3 +606,85 @@ def test_an_early_bump_does_not_poison_the_initial_loss() -> None:
     restored = DetectorSuite(Detectors())
     restored.load_state_dict(suite.state_dict())
     assert restored.loss_spike.clean_initial == pytest.approx(4.2)  # survives a checkpoint
+
+
+# ------------------------------------------------------------------------------- worse than the untrained model
+def suite_with_untrained(untrained: list[float], cfg: Detectors | None = None) -> DetectorSuite:
+    suite = DetectorSuite(cfg or Detectors())
+    suite.loss_spike.set_untrained(untrained)
+    return suite
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+@pytest.mark.parametrize(("start", "factor"), [(1, 1.15), (2, 1.3), (5, 1.2), (12, 1.5)])
+def test_a_loss_above_the_untrained_model_on_its_batch_fires_at_once(seed: int, start: int, factor: float) -> None:
+    """The high-LR blow-up the 1.5x initial-ratio rule misses on a low-noise loss (a 15-30% rise for 1-2 steps):
+    paired with the untrained model's loss on the same batch, it is caught on the step it happens, with no
+    patience."""
+    untrained = [4.2 * (1 + 0.01 * i) for i in range(16)]
+    series = edit(healthy(seed, n=60), [start], loss=lambda s: untrained[s.step] * factor)
+    suite = suite_with_untrained(untrained)
+    decisions = [suite.observe(s) for s in series]
+    f = first(decisions, "divergence")
+    assert (f.step, f.details["onset_step"], f.action) == (start, start, Action.rollback)
+    assert f.details["rule"] == "worse_than_untrained"
+    assert f.details["untrained_loss"] == untrained[start]
+    assert f.threshold == pytest.approx(1.1 * untrained[start])
+    assert f.value == pytest.approx(factor * untrained[start])
+    assert findings(decisions[:start]) == []
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+@pytest.mark.parametrize("spread", [0.0, 0.3, 0.6])
+def test_batch_noise_cannot_fire_the_paired_rule(seed: int, spread: float) -> None:
+    """A noisy loss (up to 60% batch-to-batch spread at the untrained level) whose every step is a little below
+    what the untrained model scores on that batch: however much the batches differ, the pairing cancels it."""
+    rng = np.random.default_rng(seed)
+    untrained = [4.2 * max(0.2, 1 + spread * float(rng.standard_normal())) for _ in range(16)]
+    series = healthy(seed, n=200)
+    series = edit(series, range(16), loss=lambda s: untrained[s.step] * (1.0 - 0.01 * s.step))
+    off = cfg_with(loss_spike={"max_initial_ratio": None})  # the unpaired rule is not what is tested here
+    assert [f for f in findings([suite_with_untrained(untrained, off).observe(s) for s in series])
+            if f.details.get("rule") == "worse_than_untrained"] == []
+
+
+def test_the_paired_rule_covers_only_the_measured_steps_and_can_be_off() -> None:
+    untrained = [4.2] * 16
+    late = edit(healthy(0, n=60), [20], loss=lambda s: 1.3 * 4.2)  # step 20: beyond the 16 measured steps
+    assert [f for f in findings([suite_with_untrained(untrained).observe(s) for s in late])
+            if f.details.get("rule") == "worse_than_untrained"] == []
+    early = edit(healthy(0, n=60), [3], loss=lambda s: 1.3 * 4.2)
+    for off in (cfg_with(loss_spike={"max_untrained_ratio": None}), cfg_with(loss_spike={"untrained_steps": 0})):
+        suite = suite_with_untrained(untrained, off)
+        assert [f for f in findings([suite.observe(s) for s in early])
+                if f.details.get("rule") == "worse_than_untrained"] == []
+    unmeasured = DetectorSuite(Detectors())  # a resumed lineage never measured it: the rule cannot fire
+    assert [f for f in findings([unmeasured.observe(s) for s in early])
+            if f.details.get("rule") == "worse_than_untrained"] == []
+
+
+def test_a_non_finite_or_non_positive_untrained_loss_leaves_its_step_unjudged() -> None:
+    untrained = [4.2, NAN, 0.0, -1.0, INF] + [4.2] * 11
+    series = edit(healthy(0, n=30), [1, 2, 3, 4], loss=lambda s: 100.0)
+    off = cfg_with(loss_spike={"max_initial_ratio": None, "action": "record"})
+    suite = suite_with_untrained(untrained, off)
+    assert [f.step for f in findings([suite.observe(s) for s in series])
+            if f.details.get("rule") == "worse_than_untrained"] == []
+
+
+@pytest.mark.parametrize("cut", [0, 2, 5, 20])
+def test_untrained_losses_travel_with_the_state(cut: int) -> None:
+    """A checkpoint inside the measured window resumes with the untrained losses (a NaN one included), so the
+    resumed run judges its next steps exactly as the straight one does."""
+    cfg = cfg_with(loss_spike={"action": "record"})
+    untrained = [4.2] * 5 + [NAN] + [4.2] * 10
+    stream = edit(healthy(1, n=40), [3, 5, 9], loss=lambda s: 1.4 * 4.2)  # step 5: its untrained loss is NaN
+    straight = suite_with_untrained(untrained, cfg)
+    a = [straight.observe(s) for s in stream]
+    first_half = suite_with_untrained(untrained, cfg)
+    b = [first_half.observe(s) for s in stream[:cut]]
+    resumed = DetectorSuite(cfg)
+    resumed.load_state_dict(json.loads(json.dumps(first_half.state_dict(), allow_nan=False)))
+    b += [resumed.observe(s) for s in stream[cut:]]
+    assert events(a) == events(b)
+    assert [f.step for f in findings(a) if f.details.get("rule") == "worse_than_untrained"] == [3, 9]

@@ -131,7 +131,7 @@ def test_high_lr_without_warmup_diverges_with_onset(tmp_path: Path) -> None:
     assert res.onset_step is not None and res.onset_step <= res.final_step < 30
     assert res.detector in ("loss_spike", "divergence")
     assert any(f["action"] == "rollback" for f in res.findings)
-    assert max(res.losses) > 2 * res.losses[0]  # far above where it started (ln 32 ≈ 3.5)
+    assert max(res.losses) > 1.1 * res.losses[0]  # above where it started (ln 32 ≈ 3.5): caught on the first rise
 
 
 # ------------------------------------------------------------------------------------------ fp16
@@ -353,8 +353,32 @@ def test_vanishing_gradients_end_as_vanishing_not_succeeded(tmp_path: Path) -> N
     })
     res = run(recipe, tmp_path)
     assert res.outcome == "diverged", res.reason
-    assert res.detector in ("vanishing", "never_learned")
+    assert res.detector == "vanishing" and "vanishing gradients" in res.reason  # at the early check or the end
     assert any(f["kind"] == "vanishing_gradients" for f in res.findings)
+
+
+def test_a_blow_up_that_falls_back_is_caught_against_the_untrained_model(tmp_path: Path) -> None:
+    """AdamW at a high LR without warmup on a low-noise LM loss: the loss rises 10-30% above where it started
+    for a step or two, then falls back and learns slowly (too little for the 1.5x initial-ratio rule). Paired with
+    what the untrained model scored on the same batches, the rise is caught on the step it happens."""
+    recipe = make_recipe(model={"n_layers": 1}, optimizer={"lr": 0.1}, schedule={"warmup_steps": 0},
+                         training={"seed": 7})
+    res = run(recipe, tmp_path)
+    assert res.outcome == "diverged", res.reason
+    [f] = [f for f in res.findings if f["action"] == "rollback"]
+    assert f["details"]["rule"] == "worse_than_untrained" and f["step"] == res.onset_step <= 5
+    assert f["value"] > 1.1 * f["details"]["untrained_loss"] == pytest.approx(f["threshold"])
+    assert res.losses[f["step"]] == pytest.approx(f["value"])
+
+
+def test_measuring_the_untrained_model_does_not_change_the_training(tmp_path: Path) -> None:
+    """The measurement is forward only, on batches the steps read again, with the RNG restored: a run trains
+    bit for bit as it would with the rule off."""
+    on = run(make_recipe(training={"max_steps": 30}), tmp_path / "on")
+    off = run(make_recipe(training={"max_steps": 30}, detectors={"loss_spike": {"max_untrained_ratio": None}}),
+              tmp_path / "off")
+    assert on.outcome == off.outcome == "succeeded"
+    assert on.losses == off.losses and len(on.losses) == 30
 
 
 class _ThreadProbe(ListSink):

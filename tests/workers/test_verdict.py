@@ -83,6 +83,15 @@ def test_progress_and_early_check() -> None:
     assert judge_progress(CFG, smoothed_loss=3.5, ev=ev(None), step=75).healthy
 
 
+def test_the_early_check_gives_the_vanishing_diagnosis_when_the_gradients_vanished() -> None:
+    """Stopped early, a run whose gradients vanished gets the same diagnosis as at the end (so the policy gives up
+    instead of spending a retry that cannot help); one that learned is not judged on it."""
+    stuck = judge_progress(CFG, smoothed_loss=4.15, ev=ev(None, vanishing=True, start=40), step=75)
+    assert stuck.kind == VANISHING and "vanishing gradients" in stuck.reason and "by step 75" in stuck.reason
+    assert stuck.onset_step == 40
+    assert judge_progress(CFG, smoothed_loss=3.5, ev=ev(None, vanishing=True), step=75).healthy
+
+
 def test_final_loss_is_the_mean_of_the_last_finite_losses() -> None:
     assert final_loss([5.0, 1.0, float("nan"), 3.0], 2) == pytest.approx(2.0)
     assert final_loss([float("inf")], 5) is None

@@ -38,7 +38,15 @@ class LossSummary:
 
 
 class LossSpike(Detector):
-    """Four rules on the loss, sharing one patience run; the finding names the first that holds, in this order:
+    """Four rules on the loss, sharing one patience run, and a fifth that needs none.
+
+    The **untrained ratio** (kind ``divergence``, rule ``worse_than_untrained``) fires at once: in the first
+    ``untrained_steps`` steps of a fresh start the loss is above ``max_untrained_ratio`` times the untrained
+    model's loss on the same batch (``set_untrained``: the trainer measures it before the first update). The
+    comparison is paired, so batch noise cancels and no patience or noise margin is needed; the statistics the
+    other rules judge against were never exposed to the blow-up, because it is caught where it happens.
+
+    The other four share one patience run; the finding names the first that holds, in this order:
 
     - **ratio to best** (kind ``divergence``): the smoothed loss (the EMA mean) above ``ratio_threshold`` times
       the best smoothed loss so far;
@@ -99,6 +107,22 @@ class LossSpike(Detector):
         self._pending_noise: tuple[float, bool] | None = None  # (noise sample, capped)
         self._seen = False
         self._first: float | None = None
+        self.untrained: list[float] = []
+        """The untrained model's loss on the batches of steps 0, 1, ... of a fresh start (empty: not measured)."""
+        self.untrained_run = Streak()
+
+    def set_untrained(self, losses: list[float]) -> None:
+        """The untrained model's loss per step of a fresh start (the trainer measures it before the first update);
+        only as many as ``untrained_steps`` are kept."""
+        self.untrained = [float(x) for x in losses[: self.cfg.untrained_steps]]
+
+    def _untrained_limit(self, step: int) -> float | None:
+        """The loss above which the untrained-ratio rule holds at ``step``; None where it cannot fire."""
+        ratio = self.cfg.max_untrained_ratio
+        if ratio is None or not 0 <= step < len(self.untrained):
+            return None
+        base = self.untrained[step]
+        return ratio * base if math.isfinite(base) and base > 0.0 else None
 
     def _std(self) -> float:
         return max(self.ema.std, LOSS_STD_FLOOR * abs(self.ema.mean), 1e-12)
@@ -153,6 +177,13 @@ class LossSpike(Detector):
         init_limit, collapse_limit = self._initial_limit(), self._collapse_limit()
         init_anom = init_limit is not None and loss > init_limit
         collapse_anom = collapse_limit is not None and self.ema.mean > collapse_limit
+        untrained_limit = self._untrained_limit(s.step)
+        untrained_anom = untrained_limit is not None and loss > untrained_limit
+        self.untrained_run.update(untrained_anom, s.step)
+        if untrained_anom and untrained_limit is not None and self.untrained_run.fires(1, cfg.action):
+            emit(self, "divergence", loss, untrained_limit, cfg.action, self.untrained_run.onset,
+                 {"rule": "worse_than_untrained", "untrained_loss": self.untrained[s.step],
+                  "ratio": loss / self.untrained[s.step], "initial_loss": self.clean_initial})
         anomalous = z_anom or ratio_anom or init_anom or collapse_anom
         self.run.update(anomalous, s.step)
         if anomalous and self.run.fires(cfg.patience, cfg.action):
@@ -177,9 +208,9 @@ class LossSpike(Detector):
                     onset = min(onset, self.collapse_calm_step + 1)
                 emit(self, "divergence", self.ema.mean, collapse_limit, cfg.action, onset,
                      {**details, "rule": "collapse", "loss": loss, "calm_step": self.collapse_calm_step})
-        if not (z_anom or init_anom):
+        if not (z_anom or init_anom or untrained_anom):
             self._pending = (s.step, loss)
-        if not z_anom:
+        if not (z_anom or untrained_anom):
             self._pending_noise = (init_limit, True) if init_anom and init_limit is not None else (loss, False)
 
     def commit(self, absorb: bool) -> None:
@@ -229,7 +260,9 @@ class LossSpike(Detector):
                 "calm_step": self.calm_step, "initial": self.initial, "initial_n": self.initial_n,
                 "initial_seen": self.initial_seen, "noise": self.noise.state(), "last_loss": self.last_loss,
                 "first_loss": self.first_loss,
-                "collapse_calm_step": self.collapse_calm_step}
+                "collapse_calm_step": self.collapse_calm_step,
+                "untrained": [x if math.isfinite(x) else None for x in self.untrained],
+                "untrained_run": self.untrained_run.state()}
 
     def load(self, d: dict[str, Any]) -> None:
         self.ema.load(d["ema"])
@@ -243,6 +276,9 @@ class LossSpike(Detector):
             self.collapse_calm_step = None if d["collapse_calm_step"] is None else int(d["collapse_calm_step"])
             self.initial = None if d["initial"] is None else float(d["initial"])
             self.initial_n, self.initial_seen = int(d["initial_n"]), int(d["initial_seen"])
+            self.untrained = [math.nan if x is None else float(x) for x in d.get("untrained") or []]
+            if "untrained_run" in d:
+                self.untrained_run.load(d["untrained_run"])
             first = d.get("first_loss")
             self.first_loss = None if first is None else float(first)
             if not (0 <= self.initial_n <= self.initial_seen <= INITIAL_LOSS_STEPS
