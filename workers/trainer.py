@@ -364,14 +364,16 @@ class GuardedTrainer:
         """A fresh start's baseline for the loss detector's untrained-ratio rule: the untrained model's loss on the
         batches of the first ``untrained_steps`` steps (the very batches those steps will train on, with the data
         faults a step would see), computed as a step computes its loss (training mode, autocast, the mean over the
-        micro-batches and the ranks: one all-gather), forward only. The RNG state is restored after, so the run
-        trains exactly as it would without the measurement."""
+        micro-batches and the ranks: one all-gather), forward only. The RNG state and the module's buffers (batch
+        norm's running statistics move in training mode) are restored after, so the run trains exactly as it would
+        without the measurement."""
         cfg = self.recipe.detectors.loss_spike
         steps = min(cfg.untrained_steps, self.recipe.training.max_steps)
         if not cfg.enabled or cfg.max_untrained_ratio is None or steps == 0:
             return
         accum = self.recipe.training.grad_accum_steps
         saved_rng = rng_state()
+        buffers = [(b, b.detach().clone()) for b in self.module.buffers()]
         losses = torch.zeros(steps, dtype=torch.float32, device=self.device)
         try:
             with torch.no_grad():
@@ -383,6 +385,9 @@ class GuardedTrainer:
                         losses[step] += loss.detach().float() / accum
         finally:
             set_rng_state(saved_rng)
+            with torch.no_grad():
+                for buffer, before in buffers:
+                    buffer.copy_(before)
         rows = gather_rows(losses, self.ctx)
         self.detectors.loss_spike.set_untrained([sum(col) / len(rows) for col in zip(*rows, strict=True)])
 
