@@ -3,7 +3,8 @@
 
 Runs: the clipping methods on a sharded model against an unsharded replica (same batch on both ranks); FSDP
 straight (20 steps, sharded checkpoints at 10 and 20); resumed from 10 at the same world size; in-place recovery: a
-NaN on rank 1 at step 12, rank 0's sink hands back a plan, both ranks continue as attempt 2 from step 10. The test
+NaN on rank 1 at step 12, rank 0's sink hands back a plan, both ranks continue as attempt 2 from step 10; FSDP with
+a frozen block, activation checkpointing, adaptive clipping and bf16 autocast together. The test
 then resumes the world-size-2 checkpoint at world size 1 in its own process.
 """
 
@@ -46,7 +47,7 @@ class PlanningSink(ListSink):
 
 
 def recipe(strategy: str = "fsdp", **extra: Any) -> Recipe:
-    return Recipe.model_validate({**extra,
+    return Recipe.model_validate({
         "name": "fsdp-script",
         "model": MODEL,
         "data": DATA,
@@ -57,6 +58,7 @@ def recipe(strategy: str = "fsdp", **extra: Any) -> Recipe:
         "success": {"min_progress": 0.0, "early_min_progress": 0.0},  # 20 steps: mechanics, not learning
         "resources": {"num_workers": 2},
         "distributed": {"strategy": strategy},
+        **extra,
     })
 
 
@@ -104,6 +106,10 @@ def worker(rank: int, out: str, port: int) -> None:
     results: dict[str, Any] = {}
     try:
         results["clipping"] = clipping_on_shards(rank)
+        combo = recipe(clipping={"method": "adaptive"}, precision={"dtype": "bf16"},
+                       distributed={"strategy": "fsdp", "freeze_first_n_blocks": 1, "activation_checkpointing": True})
+        combined = run_attempt(AttemptSpec(recipe=combo, checkpoint_dir=str(root / "combined")))
+        results["combined"] = {"outcome": combined.outcome, "losses": combined.losses}
         straight = run_attempt(AttemptSpec(recipe=recipe(), checkpoint_dir=str(root / "straight")))
         resumed = run_attempt(AttemptSpec(recipe=recipe(), checkpoint_dir=str(root / "resumed"),
                                           resume_from=str(root / "straight" / "step_00000010")))

@@ -147,6 +147,10 @@ def test_fsdp_on_two_gloo_ranks_recovers_in_place_and_resumes_at_world_size_one_
         for method, checks in out[rank]["clipping"].items():
             assert all(checks.values()), (rank, method, checks)
 
+    # a frozen block (its FSDP unit has no gradients), activation checkpointing, adaptive clipping and bf16
+    combined = out[0]["combined"]
+    assert combined["outcome"] == "succeeded" and combined["losses"][-1] < combined["losses"][0]
+
     # trains, and resumes at the same world size exactly; every rank saw the same numbers
     straight, resumed = out[0]["straight"], out[0]["resumed"]
     assert straight["outcome"] == resumed["outcome"] == "succeeded" and len(straight["losses"]) == 20
