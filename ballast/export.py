@@ -137,11 +137,16 @@ def clean_state_dict(
 
 
 def load_model_state(directory: str | Path, *, expected_sha256: str | None = None) -> tuple[dict[str, Any], Manifest]:
-    """Verify the whole checkpoint (CorruptCheckpoint otherwise) and load its ``model`` part weights-only."""
+    """Verify the whole checkpoint (CorruptCheckpoint otherwise) and load its ``model`` part weights-only; from a
+    sharded (``strategy: fsdp``) checkpoint, the full weights gathered from its shards (no process group needed)."""
     from workers.checkpoint import load_checkpoint
+    from workers.sharded_checkpoint import full_parts, shards_of
 
-    verify_checkpoint(directory, expected_sha256=expected_sha256)
-    state, manifest = load_checkpoint(directory, expected_sha256=expected_sha256, keys=["model"])
+    manifest = verify_checkpoint(directory, expected_sha256=expected_sha256)
+    if shards_of(manifest) is not None:
+        state = full_parts(directory, manifest, ["model"])
+    else:
+        state, manifest = load_checkpoint(directory, expected_sha256=expected_sha256, keys=["model"])
     model = state["model"]
     if not isinstance(model, Mapping):
         raise CorruptCheckpoint(directory, "its model part is not a state dict")

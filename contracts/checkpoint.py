@@ -7,6 +7,9 @@ Layout of one checkpoint directory::
         model.pt           one ``torch.save`` file per top-level key of the state dict
         optimizer.pt
         ...
+        shards/            only in a sharded (``distributed.strategy: fsdp``) checkpoint: the DCP files every rank
+                           wrote (``.metadata``, ``__<rank>_0.distcp``) instead of model.pt and optimizer.pt; listed
+                           in the manifest as ``shards/<file>`` and verified like the others; ``meta.shards`` says so
 
 The control plane reads manifests, verifies files and applies retention without importing torch; the workers'
 ``workers/checkpoint.py`` writes checkpoints and unpickles them after :func:`verify_files` passed.

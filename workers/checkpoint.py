@@ -27,7 +27,7 @@ import re
 import shutil
 import uuid
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
@@ -101,13 +101,44 @@ def _write_synced(path: Path, data: bytes) -> None:
         os.fsync(fh.fileno())
 
 
+def _adopt(src: Path, tmp: Path, sub: str) -> dict[str, dict[str, Any]]:
+    """Move the directory ``src`` to ``tmp/sub`` → its files' manifest entries (``sub/<relative path>``)."""
+    if not _KEY_RE.match(sub) or sub in {"manifest.json"} or sub.endswith(".pt"):
+        raise ValueError(f"attach name {sub!r}: use letters, digits, '_', '-', '.' and no .pt suffix")
+    dest = tmp / sub
+    shutil.move(str(src), str(dest))
+    files: dict[str, dict[str, Any]] = {}
+    for path in sorted(p for p in dest.rglob("*") if p.is_file()):
+        digest = hashlib.sha256()
+        with path.open("rb") as fh:
+            for block in iter(lambda: fh.read(1 << 20), b""):
+                digest.update(block)
+        files[f"{sub}/{path.relative_to(dest).as_posix()}"] = {"sha256": digest.hexdigest(),
+                                                               "bytes": path.stat().st_size}
+    _fsync_dir(dest)
+    return files
+
+
+def _adopt_all(tmp: Path, attach: Mapping[str, Path] | None) -> dict[str, dict[str, Any]]:
+    files: dict[str, dict[str, Any]] = {}
+    for sub, src in (attach or {}).items():
+        files |= _adopt(Path(src), tmp, sub)
+    return files
+
+
 def save_checkpoint(
-    directory: str | Path, state: dict[str, Any], *, meta: dict[str, Any], overwrite: bool = False
+    directory: str | Path, state: dict[str, Any], *, meta: dict[str, Any], overwrite: bool = False,
+    attach: Mapping[str, Path] | None = None,
 ) -> CheckpointInfo:
     """Write ``state`` atomically to ``directory`` (which must not exist, or be empty, unless ``overwrite``).
 
     ``meta`` must be JSON-serialisable (NaN allowed) and contain ``step`` (int >= 0); ``healthy`` (bool, default
     False) is the health verdict the retention rule reads; anything else (verdict reasons, metrics) is kept.
+
+    ``attach`` (subdirectory name → a directory of files already written, e.g. FSDP's shards from every rank:
+    ``workers/sharded_checkpoint.py``) moves each directory into the checkpoint under that name before the
+    manifest is written; its files are listed in the manifest (``<name>/<file>``) with their checksums like the
+    state parts, so verification, retention and deletion treat them alike.
     """
     target = Path(directory)
     step = meta.get("step")
@@ -141,6 +172,7 @@ def save_checkpoint(
             name = f"{key}.pt"
             _write_synced(tmp / name, data)
             files[name] = {"sha256": hashlib.sha256(data).hexdigest(), "bytes": len(data)}
+        files |= _adopt_all(tmp, attach)
         body = {
             "format": FORMAT,
             "format_version": FORMAT_VERSION,
@@ -187,7 +219,7 @@ def load_checkpoint(
         raise KeyError(f"checkpoint {path} has no state part(s) {missing}")
     order = manifest.raw.get("keys")
     names = [f"{k}.pt" for k in order] if isinstance(order, list) else sorted(manifest.files)
-    if set(names) != set(manifest.files):
+    if set(names) != {n for n in manifest.files if "/" not in n}:  # files in a subdirectory: attached (shards)
         raise CorruptCheckpoint(path, f"{MANIFEST} lists keys that do not match its files")
     blobs = verify_files(path, manifest, [n for n in names if wanted is None or n in wanted])
     state: dict[str, Any] = {}

@@ -10,7 +10,9 @@ decides what is in them and where they go:
 - ``health_verdict``: the label every checkpoint carries (finite weights, no anomaly since the previous one, the
   loss within the loss detector's bounds, no regression of the smoothed loss nor, when an eval loss was measured
   at the checkpoint's step, of the eval loss).
-- ``Checkpointer``: rank 0 writes to the attempt's directory in a plain process, or to a scratch directory that it
+- ``Checkpointer``: under ``distributed.strategy: fsdp`` every rank first writes its shards of the model and
+  optimizer (``workers/sharded_checkpoint.py``), which rank 0's write adopts. Rank 0 writes to the attempt's
+  directory in a plain process, or to a scratch directory that it
   hands to ``ray.train.report`` under Ray Train (every rank reports, so all report the same number of times);
   then the ``checkpoint`` event, the corrupt-checkpoint fault and, in a plain process, retention.
 - ``materialize``: a local directory for a checkpoint path or URI (an object-store checkpoint is downloaded
@@ -48,6 +50,8 @@ from workers.evaluation import EvalHistory
 from workers.faults import FaultInjector
 from workers.optim import apply_hyperparameters, load_optimizer_state
 from workers.precision import LossScaler
+from workers.sharded_checkpoint import SHARDS, shards_meta, stage_shards, staging_root, without_sharded_parts
+from workers.sharding import all_finite, fsdp_enabled
 from workers.sinks import EventSink
 from workers.verdict import EvalEvidence, eval_regression_limit
 
@@ -104,8 +108,9 @@ class TrainingState:
         parts come back to the same rank when the world size is unchanged; otherwise every rank takes rank 0's
         RNG and PowerSGD starts afresh.
         """
-        trainable = [p for p in self.module.parameters() if p.requires_grad]
-        load_optimizer_state(self.optimizer, saved["optimizer"], trainable)
+        if "optimizer" in saved:  # a sharded checkpoint's optimizer came back with its shards (load_shards)
+            trainable = [p for p in self.module.parameters() if p.requires_grad]
+            load_optimizer_state(self.optimizer, saved["optimizer"], trainable)
         apply_hyperparameters(self.optimizer, dict(hyperparameters))
         self.scaler.load_state_dict(saved["scaler"])
         self.detectors.load_state_dict(saved["detectors"])
@@ -135,8 +140,7 @@ def health_verdict(module: nn.Module, *, loss: float, loss_in_bounds: bool, anom
     ``evals`` (the eval series, passed only when its newest eval measured these very weights) adds the held-out
     test: the eval loss must be finite and at most ``eval_regression_tolerance`` above the lineage's best eval loss
     (``workers/verdict.py``'s rule; None: not judged). Without it the verdict's keys and value are unchanged."""
-    weights = [p.detach() for p in module.parameters()]
-    weights_finite = bool(torch.isfinite(torch.stack(torch._foreach_norm(weights))).all()) if weights else True
+    weights_finite = all_finite(list(module.parameters()))  # under FSDP: every rank's shards (one all-reduce)
     limit = None if summary.best is None else (1.0 + regression_tolerance) * summary.best + summary.noise_std
     regressed = limit is not None and summary.smoothed is not None and summary.smoothed > limit
     verdict = {
@@ -181,13 +185,20 @@ class Checkpointer:
         per_rank = gather_objects({**state.rank_part(), "node": state.node_of(ctx)}, ctx)
         name = f"step_{step:08d}"
         saved: SavedCheckpoint | None = None
+        shards = None  # strategy fsdp: every rank writes its shards first; rank 0's write adopts them
+        if fsdp_enabled(self.spec.recipe):
+            root = staging_root(ctx, self.spec.checkpoint_dir)
+            shards = stage_shards(state.module, state.optimizer, ctx, root)
         if ctx.is_main:
             progress = {"step": step, "data_offset": self.spec.data_offset, "attempt": self.spec.attempt,
                         "world_size": ctx.world_size, "pending_update_ratio": pending_update_ratio}
             meta = {"step": step, "healthy": healthy, "verdict": verdict, "attempt": self.spec.attempt,
                     "run_id": self.spec.run_id, "recipe": self.spec.recipe.name,
                     "nodes": [r["node"] for r in per_rank]}
-            saved = self._write(name, state.state_dict(per_rank, progress), meta, loss, on_saved)
+            parts = state.state_dict(per_rank, progress)
+            if shards is not None:
+                parts, meta["shards"] = without_sharded_parts(parts), shards_meta(ctx.world_size)
+            saved = self._write(name, parts, meta, loss, on_saved, shards)
         elif ctx.ray_train:
             self._report_to_ray(step, name, None, healthy, loss)
         if not ctx.ray_train:
@@ -195,11 +206,12 @@ class Checkpointer:
         return saved
 
     def _write(self, name: str, state: dict[str, Any], meta: dict[str, Any], loss: float,
-               on_saved: Callable[[SavedCheckpoint], None]) -> SavedCheckpoint:
+               on_saved: Callable[[SavedCheckpoint], None], shards: Path | None = None) -> SavedCheckpoint:
         ctx, step, healthy = self.ctx, int(meta["step"]), bool(meta["healthy"])
         target_root = Path(tempfile.mkdtemp(prefix="ballast-ckpt-")) if ctx.ray_train else Path(
             self.spec.checkpoint_dir)
-        info = save_checkpoint(target_root / name, state, meta=meta, overwrite=True)
+        info = save_checkpoint(target_root / name, state, meta=meta, overwrite=True,
+                               attach=None if shards is None else {SHARDS: shards})
         uri = (f"{ctx.checkpoint_uri_prefix.rstrip('/')}/{name}" if ctx.ray_train and ctx.checkpoint_uri_prefix
                else str(info.path))
         saved = SavedCheckpoint(step=step, path=uri, healthy=healthy, sha256=info.sha256)

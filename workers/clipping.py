@@ -22,6 +22,7 @@ from torch import Tensor, nn
 from torch.nn.utils import get_total_norm
 
 from contracts.recipe import ClipMethod, Clipping
+from workers.sharding import all_reduce_sum, any_sharded, local, shard_sq_sums, sharded_norms
 
 _EPS = 1e-6
 """Added to norms in divisions, as ``torch.nn.utils.clip_grad_norm_`` does."""
@@ -31,7 +32,8 @@ identical during warmup (zero variance) is not clipped at every tiny fluctuation
 
 
 def _grads(params: Iterable[Tensor]) -> list[Tensor]:
-    return [p.grad for p in params if p.grad is not None]
+    """The gradients to scale in place: this rank's local shards under FSDP (``sharding.local``)."""
+    return [local(p.grad) for p in params if p.grad is not None]
 
 
 def _stack_norms(tensors: Sequence[Tensor]) -> Tensor:
@@ -44,8 +46,12 @@ def _stack_norms(tensors: Sequence[Tensor]) -> Tensor:
 
 def grad_norms(params: Iterable[Tensor]) -> Tensor:
     """Per-tensor L2 norms (float32) of the gradients of ``params``, stacked; parameters without a grad are
-    skipped, so the i-th entry belongs to the i-th parameter *that has a grad*."""
-    return _stack_norms(_grads(params))
+    skipped, so the i-th entry belongs to the i-th parameter *that has a grad*. Under FSDP the gradients are
+    shards: their squared sums are all-reduced (one small all-reduce), so every rank gets the global norms."""
+    grads = [p.grad for p in params if p.grad is not None]
+    if any_sharded(grads):
+        return sharded_norms(grads)
+    return _stack_norms(grads)
 
 
 def global_norm(stacked: Tensor) -> Tensor:
@@ -118,7 +124,7 @@ class Clipper:
             return self._clip_to(grads, total, torch.full_like(total, self.cfg.max_norm))
         if self.method is ClipMethod.per_layer:
             if per_tensor is None:
-                per_tensor = _stack_norms(grads)
+                per_tensor = grad_norms(self.params)
             coefs = (self.cfg.max_norm / (per_tensor + _EPS)).clamp(max=1.0)
             torch._foreach_mul_(grads, [c.to(g.device) for c, g in zip(coefs.unbind(0), grads, strict=True)])
             return global_norm(per_tensor * coefs)
@@ -132,19 +138,44 @@ class Clipper:
         return total * coef
 
     def _clip_agc(self) -> Tensor:
+        """Per output row (dim 0) of a >=2-D weight, the whole tensor for the others. Under FSDP the shards split
+        dim 0, so a row is whole on one rank; whole-tensor norms and the post-clip total are all-reduced."""
         lam, eps = self.cfg.agc_lambda, self.cfg.agc_eps
+        pairs = [(p, p.grad) for p in self.params if p.grad is not None]
+        sharded = any_sharded(g for _, g in pairs)
+        whole = self._whole_tensor_norms(pairs, sharded)
         post_sq: list[Tensor] = []
-        for p in self.params:
-            g = p.grad
-            if g is None:
-                continue
-            dims = tuple(range(1, p.dim())) if p.dim() >= 2 else None
-            w_norm = torch.linalg.vector_norm(p.detach().float(), 2.0, dim=dims, keepdim=True).clamp_min(eps)
-            g_norm = torch.linalg.vector_norm(g.float(), 2.0, dim=dims, keepdim=True)
-            scale = (w_norm * lam / g_norm.clamp_min(_EPS)).clamp(max=1.0)
-            g.mul_(scale.to(g.dtype))
-            post_sq.append(((g_norm * scale) ** 2).sum())
-        return torch.stack(post_sq).sum().sqrt()
+        for i, (p, g) in enumerate(pairs):
+            w, grad = local(p.detach()), local(g)
+            if p.dim() >= 2:
+                dims = tuple(range(1, p.dim()))
+                w_norm = torch.linalg.vector_norm(w.float(), 2.0, dim=dims, keepdim=True)
+                g_norm = torch.linalg.vector_norm(grad.float(), 2.0, dim=dims, keepdim=True)
+            else:
+                w_norm, g_norm = whole[i]
+            scale = (w_norm.clamp_min(eps) * lam / g_norm.clamp_min(_EPS)).clamp(max=1.0)
+            grad.mul_(scale.to(grad.dtype))
+            if sharded and p.dim() < 2:  # a global norm: count this rank's part only, the all-reduce adds the rest
+                post_sq.append(local(grad).float().square().sum())
+            else:
+                post_sq.append(((g_norm * scale) ** 2).sum())
+        total = all_reduce_sum(torch.stack(post_sq).sum().reshape(1), sharded)
+        return total.reshape(()).sqrt()
+
+    @staticmethod
+    def _whole_tensor_norms(pairs: Sequence[tuple[Tensor, Tensor]], sharded: bool) -> dict[int, tuple[Tensor, Tensor]]:
+        """(weight norm, grad norm) of every <2-D parameter in ``pairs`` (keepdim shape), global under FSDP."""
+        flat = [i for i, (p, _) in enumerate(pairs) if p.dim() < 2]
+        if not flat:
+            return {}
+        if not sharded:
+            return {i: (torch.linalg.vector_norm(pairs[i][0].detach().float(), 2.0, dim=None, keepdim=True),
+                        torch.linalg.vector_norm(pairs[i][1].float(), 2.0, dim=None, keepdim=True)) for i in flat}
+        tensors = [pairs[i][0].detach() for i in flat] + [pairs[i][1] for i in flat]
+        norms = all_reduce_sum(shard_sq_sums(tensors), True).sqrt()
+        shape = [(1,) * pairs[i][0].dim() for i in flat]
+        n = len(flat)
+        return {i: (norms[k].reshape(shape[k]), norms[n + k].reshape(shape[k])) for k, i in enumerate(flat)}
 
     def _zstate(self, device: torch.device) -> tuple[Tensor, Tensor, Tensor]:
         if self._z is None or self._z[0].device != device:
@@ -238,19 +269,24 @@ def block_grad_norms(norms: Tensor, members: Sequence[Tensor]) -> Tensor:
 
 def param_snapshot(params: Iterable[Tensor]) -> list[Tensor]:
     """Detached copies of the parameters, taken before ``optimizer.step()`` on a layer-stats step only (it costs
-    one copy of the weights), for ``update_ratio``."""
-    return [p.detach().clone() for p in params]
+    one copy of the weights), for ``update_ratio``. Under FSDP: this rank's shards."""
+    return [local(p.detach()).clone() for p in params]
 
 
 def update_ratio(before: Sequence[Tensor], params: Iterable[Tensor]) -> Tensor:
     """``||w_after - w_before|| / ||w_after||`` over all parameters (global L2 norms, as
     ``torch.nn.utils.get_total_norm``) after ``optimizer.step()``: the update-to-weight ratio the stagnation
     detector watches. 0-dim, on the parameters' device, no host sync."""
-    after = [p.detach() for p in params]
+    params = list(params)
+    after = [local(p.detach()) for p in params]
     if len(after) != len(before):
         raise ValueError(f"snapshot has {len(before)} tensors but there are {len(after)} parameters")
     if not after:
         return torch.zeros((), dtype=torch.float32)
     diffs = torch._foreach_sub(after, list(before))
+    if any_sharded(params):  # shards: the two squared totals over all ranks, one all-reduce
+        sq = all_reduce_sum(torch.stack([shard_sq_sums(diffs).sum(), shard_sq_sums(after).sum()]), True)
+        sharded_ratio: Tensor = sq[0].sqrt() / sq[1].sqrt().clamp_min(1e-12)
+        return sharded_ratio
     ratio: Tensor = get_total_norm(diffs) / get_total_norm(after).clamp_min(1e-12)
     return ratio

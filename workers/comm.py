@@ -16,10 +16,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from contracts.recipe import Compression, Recipe
-from workers.context import WorkerContext
+from contracts.recipe import Compression, Recipe, Strategy
+from workers.context import WorkerContext, gather_objects
 from workers.data import Batch
 from workers.objective import Objective
+from workers.sharding import fsdp_no_sync, is_fsdp
 
 
 class EngineConfigError(ValueError):
@@ -29,6 +30,14 @@ class EngineConfigError(ValueError):
 def check_backend(recipe: Recipe, ctx: WorkerContext) -> None:
     """Refuse compression settings the worker group's backend cannot run, naming the field."""
     comp = recipe.distributed.compression
+    if ctx.distributed and ctx.ray_train and recipe.distributed.strategy is Strategy.fsdp:
+        nodes = sorted(set(gather_objects(ctx.node, ctx)))
+        if len(nodes) > 1:  # the shards are staged in a node-local directory (workers/sharded_checkpoint.py)
+            raise EngineConfigError(
+                f"distributed.strategy: fsdp under Ray Train needs every rank on one node (this group spans "
+                f"{len(nodes)}): sharded checkpoints are assembled in a node-local directory. Use strategy: ddp "
+                "across nodes."
+            )
     if not ctx.distributed or comp is Compression.none:
         return
     backend = dist.get_backend()
@@ -67,7 +76,10 @@ def wrap_ddp(module: nn.Module, recipe: Recipe, device: torch.device) -> tuple[n
 
 
 def no_sync(model: nn.Module, module: nn.Module, skip_sync: bool) -> contextlib.AbstractContextManager[Any]:
-    """DDP's ``no_sync()`` when ``skip_sync`` and ``model`` wraps ``module`` (micro-batches before the last)."""
+    """DDP's ``no_sync()`` when ``skip_sync`` and ``model`` wraps ``module`` (micro-batches before the last);
+    FSDP's ``set_requires_gradient_sync(False)`` when ``module`` is sharded (``sharding.fsdp_no_sync``)."""
+    if skip_sync and is_fsdp(module):
+        return fsdp_no_sync(module)
     if skip_sync and model is not module:
         ctx: contextlib.AbstractContextManager[Any] = model.no_sync()  # type: ignore[operator]
         return ctx

@@ -26,6 +26,7 @@ from contracts.recipe import (
 )
 from contracts.storage import Location
 from workers.data.batch import Batch, has_float_inputs, scale_float_inputs
+from workers.sharding import local
 
 
 class InjectedCrash(RuntimeError):
@@ -79,11 +80,12 @@ class FaultInjector:
         return loss
 
     def on_grads(self, step: int, params: Iterable[torch.nn.Parameter]) -> None:
-        """grad_scale: multiply every gradient after backward (after DDP's all-reduce: only this rank)."""
+        """grad_scale: multiply every gradient after backward (after DDP's all-reduce: only this rank; under FSDP
+        this rank's shards)."""
         faults = self._at(step, GradScaleFault)
         if not faults:
             return
-        grads = [p.grad for p in params if p.grad is not None]
+        grads = [local(p.grad) for p in params if p.grad is not None]
         for f in faults:
             if grads:
                 torch._foreach_mul_(grads, f.factor)

@@ -36,6 +36,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from contracts.checkpoint import Manifest
 from contracts.recipe import Action, DType, LossScaling
 from contracts.wire import AttemptOutcome, AttemptSpec, SavedCheckpoint, finite_or_none
 from workers.checkpoint import load_checkpoint, rng_state, set_rng_state
@@ -60,6 +61,8 @@ from workers.objective import Objective
 from workers.optim import build_optimizer, hyperparameters
 from workers.precision import LossScaler
 from workers.schedule import lr_at
+from workers.sharded_checkpoint import load_shards, shards_of
+from workers.sharding import check_full_resume, fsdp_enabled, shard_model
 from workers.signals import GatheredStep, RankSignals, combine, gather
 from workers.sinks import EventSink
 from workers.telemetry import layer_stats_payload, metric_payload
@@ -109,23 +112,28 @@ class GuardedTrainer:
         self.objective = Objective(self.module, r.loss, dtype=r.precision.dtype, device=self.device,
                                    allowed_import_modules=spec.allowed_import_modules)
         """How a batch becomes the loss (``objective.loss(batch)``): the training step, DDP priming and eval."""
-        self.named_params = [(n, p) for n, p in self.module.named_parameters() if p.requires_grad]
-        self.params = [p for _, p in self.named_params]
-        self._block_members = self._block_membership()
 
         saved: dict[str, Any] | None = None
+        manifest: Manifest | None = None
         self.start_step = 0
         if resume_dir is not None:
             saved, manifest = load_checkpoint(resume_dir)
             self.start_step = manifest.step
-            self.module.load_state_dict(saved["model"])
+            if "model" in saved:  # a sharded checkpoint's weights come back with the optimizer (load_shards)
+                check_full_resume(r, ctx)
+                self.module.load_state_dict(saved["model"])
         else:  # a fresh start seeds the global RNG per rank (dropout in custom models); a resume restores it
             torch.manual_seed(r.training.seed * 1009 + ctx.rank)
 
         self.model: nn.Module = self.module
         self.comm_state: Any = None
-        if ctx.distributed:
+        if ctx.distributed and fsdp_enabled(r):
+            shard_model(self.module, self.device)  # in place: the module is the model, its parameters DTensors
+        elif ctx.distributed:
             self.model, self.comm_state = wrap_ddp(self.module, r, self.device)
+        self.named_params = [(n, p) for n, p in self.module.named_parameters() if p.requires_grad]
+        self.params = [p for _, p in self.named_params]
+        self._block_members = self._block_membership()
         self.optimizer = build_optimizer(self.named_params, r.optimizer, self.module)
         self.scaler = LossScaler(r.precision, self.device)
         self.clipper = Clipper(r.clipping, self.named_params)
@@ -139,6 +147,8 @@ class GuardedTrainer:
 
         self._pending_update_ratio: Tensor | None = None
         if saved is not None:
+            if manifest is not None and shards_of(manifest) is not None:
+                load_shards(resume_dir, manifest, self.module, self.optimizer)  # type: ignore[arg-type]
             self._restore(saved)
         else:
             self._measure_untrained()

@@ -72,6 +72,7 @@ from contracts.recipe.operations import (
     Recovery,
     RecoveryStrategy,
     Resources,
+    Strategy,
     Telemetry,
     TightenOrder,
 )
@@ -105,7 +106,8 @@ __all__ = [
     "OptimizerName", "OscillationDetector", "Precision", "Recipe", "RecipeError", "Recovery", "RecoveryStrategy",
     "RecurrentCell",
     "RecurrentModel", "RegressionData", "Resources", "Schedule", "SchedulePreset", "Section", "SequenceData",
-    "SequenceTask", "StagnationDetector", "Success", "Telemetry", "TightenOrder", "TinyGPTModel", "Training",
+    "SequenceTask", "StagnationDetector", "Strategy", "Success", "Telemetry", "TightenOrder", "TinyGPTModel",
+    "Training",
     "VanishingDetector", "admitted_modules", "check_import_string", "dump_recipe", "load_recipe", "module_allowed",
     "named_modules", "parse_yaml", "recipe_json_schema", "recipe_to_dict", "validate_recipe_data",
 ]

@@ -13,7 +13,7 @@ from contracts.recipe.detectors import Action, Detectors
 from contracts.recipe.faults import Fault
 from contracts.recipe.loss import LossSpec, ModelLoss
 from contracts.recipe.model import BUILTIN_MODELS, ModelSpec, TinyGPTModel
-from contracts.recipe.operations import Checkpoint, Compression, Distributed, Recovery, Resources, Telemetry
+from contracts.recipe.operations import Checkpoint, Compression, Distributed, Recovery, Resources, Strategy, Telemetry
 from contracts.recipe.success import Success
 from contracts.recipe.training import ClipMethod, Clipping, DType, LossScaling, Optimizer, Precision, Schedule, Training
 
@@ -107,6 +107,7 @@ class Recipe(Section):
         if self.distributed.compression is Compression.bf16 and not self.resources.use_gpu:
             msg = "bf16 compression needs NCCL (resources.use_gpu: true); gloo cannot"
             errors.append(("distributed.compression", msg))
+        errors += self._fsdp_errors()
         if self.resources.use_gpu and self.resources.gpus_per_worker <= 0:
             errors.append(("resources.gpus_per_worker", "must be > 0 when resources.use_gpu is true"))
         for i, fault in enumerate(self.faults):
@@ -117,6 +118,23 @@ class Recipe(Section):
         if errors:
             raise CrossFieldErrors(errors)
         return self
+
+    def _fsdp_errors(self) -> list[tuple[str, str]]:
+        """What ``distributed.strategy: fsdp`` cannot combine with (each refused by name, with what to do)."""
+        d = self.distributed
+        if d.strategy is not Strategy.fsdp:
+            return []
+        errors: list[tuple[str, str]] = []
+        if d.compression is not Compression.none:
+            errors.append(("distributed.compression", f"{d.compression.value} is a DDP comm hook, not for strategy: "
+                           "fsdp (FSDP reduce-scatters its gradients itself); use compression: none, or strategy: ddp"))
+        if d.lora is not None:
+            errors.append(("distributed.lora", "LoRA adapters are not supported with strategy: fsdp (use strategy: "
+                           "ddp; the adapters are small enough to replicate)"))
+        if self.precision.dtype is DType.fp16:
+            errors.append(("precision.dtype", "fp16 is not supported with strategy: fsdp (its loss scaler is not "
+                           "shard-aware); use bf16 or fp32"))
+        return errors
 
     def _model_data_errors(self) -> list[tuple[str, str]]:
         """The model, its data and its loss must fit together."""

@@ -124,6 +124,11 @@ class Compression(StrEnum):
     powersgd = "powersgd"
 
 
+class Strategy(StrEnum):
+    ddp = "ddp"
+    fsdp = "fsdp"
+
+
 class LoRA(Section):
     """Low-rank adapters (LoRA, via the optional ``peft`` package) on the named layers; everything else is frozen."""
 
@@ -139,6 +144,11 @@ class LoRA(Section):
 
 
 class Distributed(Section):
+    strategy: Strategy = Strategy.ddp
+    """How the ranks hold the model: ``ddp`` (every rank a full replica, gradients all-reduced) or ``fsdp`` (FSDP2
+    ``fully_shard`` per block and on the root: parameters, gradients and optimizer state sharded across the ranks;
+    checkpoints written shard by shard through ``torch.distributed.checkpoint`` and resumable at another world
+    size). FSDP takes no compression, no LoRA and no fp16."""
     compression: Compression = Compression.none
     """DDP gradient compression comm hook (bf16 needs NCCL)."""
     powersgd_rank: StrictInt = Field(default=2, ge=1, le=1024)
