@@ -1,5 +1,5 @@
 """The Ballast client: one typed client for the REST API (``/api/v1``), public as ``ballast.Client`` and used by
-the ``ballast`` CLI. (One class of ~420 lines on purpose: one method per endpoint, each a few lines, so a user
+the ``ballast`` CLI. (One class of ~470 lines on purpose: one method per endpoint, each a few lines, so a user
 reads the whole API surface in one place; the shapes live in ``api/schemas.py``.)
 
 It speaks plain JSON dicts (the server's response models, ``api/schemas.py``, are the contract: ``RunRead`` /
@@ -331,6 +331,28 @@ class Client:
         return export_run(self, run_id, Path(dest), format=format, checkpoint_id=checkpoint, step=step,
                           allowed_import_modules=allowed_import_modules)
 
+    def download_model(
+        self, run_id: str | int, dest: str | Path, *, format: Literal["safetensors", "state_dict"] = "safetensors",
+        checkpoint: int | None = None, step: int | None = None,
+    ) -> Path:
+        """The server's export (``GET /runs/{id}/export``) streamed into ``dest`` (a file, or a directory to put
+        the server's file name in) → the path written. Unlike ``export`` it needs no torch and no access to the
+        checkpoint storage here: the server verifies the checkpoint and builds the file."""
+        params = {k: v for k, v in {"format": format, "checkpoint": checkpoint, "step": step}.items()
+                  if v is not None}
+        target = Path(dest)
+        with self._http.stream("GET", f"{API_PREFIX}/runs/{_seg(run_id)}/export", params=params) as resp:
+            if resp.status_code >= 400:
+                resp.read()
+                raise ApiError(resp.status_code, _problem_of(resp))
+            if target.is_dir():
+                target = target / (resp.headers.get("content-disposition", "").rpartition("filename=")[2]
+                                   .strip('"') or f"model.{'pt' if format == 'state_dict' else 'safetensors'}")
+            with target.open("wb") as f:
+                for chunk in resp.iter_bytes(1 << 20):
+                    f.write(chunk)
+        return target
+
     def anomalies(
         self,
         run_id: str | int,
@@ -387,6 +409,20 @@ class Client:
             },
         )
         return data
+
+    def layers(self, run_id: str | int, *, attempt: int | None = None,
+               after_step: int | None = None) -> list[dict[str, Any]]:
+        """Every per-layer snapshot (``LayerSnapshot``: attempt, step, block_grad_norms, diagnosis) in (attempt,
+        step) order, following the cursor; ``attempt`` / ``after_step`` narrow it."""
+        out: list[dict[str, Any]] = []
+        cursor: str | None = None
+        while True:
+            page = self._json("GET", f"/runs/{_seg(run_id)}/layers",
+                              params={"attempt": attempt, "after_step": after_step, "limit": 1000, "cursor": cursor})
+            out.extend(_items(page))
+            cursor = page.get("next") if isinstance(page, dict) else None
+            if not cursor:
+                return out
 
     def health(self) -> dict[str, Any]:
         resp = self._request("GET", "/healthz")

@@ -6,8 +6,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from api.schemas import AnomalyRead, CheckpointRead, MetricEvent, RunRead, RunSummary
-from orchestrator.store.models import AnomalyRow, CheckpointRow, MetricPoint, Run
+from api.schemas import AnomalyRead, CheckpointRead, LayerSnapshot, MetricEvent, RunRead, RunSummary
+from orchestrator.store.models import AnomalyRow, CheckpointRow, LayerSnapshotRow, MetricPoint, Run
 
 _RUN_KEYS = (
     "id", "name", "owner", "state", "recipe_id", "idempotency_key", "current_attempt", "cancel_requested", "reason",
@@ -74,6 +74,15 @@ def anomaly_read(row: AnomalyRow, attempt: int) -> AnomalyRead:
 def checkpoint_read(row: CheckpointRow, attempt: int) -> CheckpointRead:
     """A checkpoint row and its attempt's number → CheckpointRead."""
     return CheckpointRead.model_validate({**{c: getattr(row, c) for c in _CHECKPOINT_COLUMNS}, "attempt": attempt})
+
+
+def layer_snapshot(row: LayerSnapshotRow, attempt: int) -> LayerSnapshot:
+    """A layer-snapshot row and its attempt's number → LayerSnapshot."""
+    return LayerSnapshot.model_validate({
+        "attempt": attempt, "step": row.step, "block_grad_norms": list(row.block_grad_norms or []),
+        "layer_grad_norms": dict(row.layer_grad_norms or {}), "update_ratio": row.update_ratio,
+        "diagnosis": row.diagnosis,
+    })
 
 
 def metric_event(point: MetricPoint, attempt: int) -> MetricEvent:

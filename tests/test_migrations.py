@@ -25,6 +25,7 @@ from orchestrator.store.models import (
     CheckpointRow,
     EvalPoint,
     Event,
+    LayerSnapshotRow,
     MetricPoint,
     RecipeRow,
     Run,
@@ -87,6 +88,8 @@ def _fill_every_table(url: str, tag: str) -> dict[str, int]:
                              detector="loss_spike", value=9.0, threshold=6.0, action="rollback"))
             s.add(MetricPoint(run_id=run.id, attempt_id=first.id, step=60, loss=2.4, grad_norm=1.5, lr=1e-3))
             s.add(EvalPoint(run_id=run.id, attempt_id=first.id, step=60, eval_loss=2.6))
+            s.add(LayerSnapshotRow(run_id=run.id, attempt_id=first.id, step=60, block_grad_norms=[1.0, "Infinity"],
+                                layer_grad_norms={"blocks.0.w": 1.0}, update_ratio=1e-3, diagnosis=None))
             s.add(Event(run_id=run.id, attempt_id=second.id, entity="attempt", from_state="pending",
                         to_state="running"))
         with engine.connect() as conn:
@@ -171,6 +174,49 @@ def test_drift_test_notices_a_difference(empty_db_url: str) -> None:
         engine.dispose()
     diff = _diff(empty_db_url)
     assert [(d[0], d[3].name) for d in diff] == [("remove_column", "stray")]
+
+
+def test_0004_moves_the_kept_layer_snapshot_into_its_table_and_back(empty_db_url: str) -> None:
+    """Before 0004 the newest snapshot of an attempt lived in ``ray_info``: the upgrade makes it the attempt's
+    first ``layer_snapshots`` row (and drops the key), the downgrade puts the newest row back."""
+    url = empty_db_url
+    migrations.upgrade(url, "0003")
+    stats = {"step": 40, "block_grad_norms": [2.0, "Infinity"], "layer_grad_norms": {"blocks.0.w": 2.0},
+             "update_ratio": 0.004, "diagnosis": "vanishing with depth"}
+    engine = make_engine(url, poolclass=sa.pool.NullPool)
+    attempts = sa.table("attempts", sa.column("id"), sa.column("ray_info", sa.JSON()))
+    try:
+        with engine.begin() as conn:
+            conn.execute(sa.text("INSERT INTO recipes (name, owner, content_hash, text, parsed, created_at) "
+                                 "VALUES ('r', 'a', 'h', 't', '{}', CURRENT_TIMESTAMP)"))
+            conn.execute(sa.text("INSERT INTO runs (recipe_id, name, owner, state, created_at, updated_at, "
+                                 "current_attempt, retries_used, crash_restarts_used, cancel_requested) "
+                                 "VALUES (1, 'r', 'a', 'running', CURRENT_TIMESTAMP, CURRENT_TIMESTAMP, 2, 0, 0, "
+                                 "false)"))
+            for number, info in ((1, {"channel": "c1", "layer_stats": stats}), (2, {"channel": "c2"})):
+                conn.execute(sa.text(
+                    "INSERT INTO attempts (run_id, number, state, kind, resume_step, overrides, plan, last_seq, "
+                    "ray_info, created_at) VALUES (1, :n, 'running', 'initial', 0, '{}', '{}', 0, :info, "
+                    "CURRENT_TIMESTAMP)").bindparams(sa.bindparam("info", type_=sa.JSON())), {"n": number,
+                                                                                             "info": info})
+        migrations.upgrade(url, "0004")
+        with engine.connect() as conn:
+            infos = dict(conn.execute(sa.select(attempts.c.id, attempts.c.ray_info)).all())
+            rows = conn.execute(sa.text("SELECT attempt_id, step, diagnosis, update_ratio FROM layer_snapshots")).all()
+        assert infos == {1: {"channel": "c1"}, 2: {"channel": "c2"}}
+        assert [tuple(r) for r in rows] == [(1, 40, "vanishing with depth", 0.004)]
+        with Session(engine) as s, s.begin():
+            s.add(LayerSnapshotRow(run_id=1, attempt_id=1, step=50, block_grad_norms=[1.5, 0.1],
+                                layer_grad_norms={}, update_ratio=None, diagnosis=None))
+        migrations.downgrade(url, "0003")
+        with engine.connect() as conn:
+            infos = dict(conn.execute(sa.select(attempts.c.id, attempts.c.ray_info)).all())
+        assert infos[1] == {"channel": "c1", "layer_stats": {"step": 50, "block_grad_norms": [1.5, 0.1],
+                                                             "layer_grad_norms": {}, "update_ratio": None,
+                                                             "diagnosis": None}}
+        assert infos[2] == {"channel": "c2"}
+    finally:
+        engine.dispose()
 
 
 @pytest.mark.slow

@@ -9,12 +9,24 @@ from __future__ import annotations
 
 from fastapi import APIRouter
 
-from api.routes import anomalies, attempts, checkpoints, events, health, layers, metrics, recipes, runs, tokens
+from api.routes import (
+    anomalies,
+    attempts,
+    checkpoints,
+    events,
+    export,
+    health,
+    layers,
+    metrics,
+    recipes,
+    runs,
+    tokens,
+)
 
 API_PREFIX = "/api/v1"
 
 api_routers: tuple[APIRouter, ...] = tuple(
-    m.router for m in (recipes, runs, attempts, anomalies, checkpoints, metrics, layers, events, tokens)
+    m.router for m in (recipes, runs, attempts, anomalies, checkpoints, export, metrics, layers, events, tokens)
 )
 
 health_router = health.router

@@ -2,10 +2,11 @@
 
 The event channel may deliver an event twice (a scheduler that died after reading a batch but before committing
 it reads the batch again after a restart), so every row is keyed by a natural unique constraint and inserted
-with ``ON CONFLICT DO NOTHING`` (metric points per (attempt, step), anomalies per (attempt, seq), checkpoints per
-(attempt, step)); run and attempt aggregates are maxima/minima, so applying a batch twice changes nothing.
-Each table's rows of a batch go in as one statement: on PostgreSQL the high-volume metric and eval points as one
-``INSERT ... SELECT FROM unnest(arrays)`` (``_insert_unnest``), elsewhere a multi-row ``INSERT ... VALUES``.
+with ``ON CONFLICT DO NOTHING`` (metric points, eval points, layer snapshots and checkpoints per (attempt, step),
+anomalies per (attempt, seq)); run and attempt aggregates are maxima/minima, so applying a batch twice changes nothing.
+Each table's rows of a batch go in as one statement: on PostgreSQL the high-volume metric and eval points and the
+layer snapshots as one ``INSERT ... SELECT FROM unnest(arrays)`` (``_insert_unnest``), elsewhere a multi-row
+``INSERT ... VALUES``.
 
 Where things go:
 
@@ -13,9 +14,8 @@ Where things go:
   steps, non-finite losses, steps with an anomaly in the same batch and the attempt's final step are always kept.
 - ``anomaly`` → ``anomalies``; ``checkpoint`` → ``checkpoints`` (with the health verdict).
 - ``eval`` → ``eval_points`` per (attempt, step), never downsampled (one per ``training.eval_interval`` steps).
-- ``layer_stats`` → the newest snapshot per attempt in ``attempts.ray_info["layer_stats"]``: the per-layer
-  profile is a diagnosis aid (its findings arrive as anomalies), and a row per layer per k steps would outgrow
-  the metric table for no reader.
+- ``layer_stats`` → ``layer_snapshots`` per (attempt, step), every one of them: the dashboard draws the per-layer
+  profile over time (a step × depth heat map), and a row is one event per ``telemetry.layer_stats_every`` steps.
 - ``end`` → ``attempts.outcome`` / ``onset_step`` / ``last_step``. State changes are the scheduler's job (it
   decides what an outcome means for the run), never ingestion's.
 
@@ -27,6 +27,7 @@ inside JSON columns, which PostgreSQL's ``json`` type would otherwise refuse.
 from __future__ import annotations
 
 import functools
+import json
 import math
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -37,7 +38,16 @@ from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.orm import Session
 
 from contracts.wire import finite_or_none
-from orchestrator.store.models import AnomalyRow, Attempt, CheckpointRow, EvalPoint, MetricPoint, Run, utcnow
+from orchestrator.store.models import (
+    AnomalyRow,
+    Attempt,
+    CheckpointRow,
+    EvalPoint,
+    LayerSnapshotRow,
+    MetricPoint,
+    Run,
+    utcnow,
+)
 
 
 @dataclass
@@ -48,6 +58,7 @@ class IngestResult:
     anomalies: int = 0
     checkpoints: int = 0
     evals: int = 0
+    layers: int = 0
     end: dict[str, Any] | None = None
     """The ``end`` event's data, when the batch held one."""
     max_seq: int = 0
@@ -95,8 +106,9 @@ def _insert_ignore(session: Session, table: Any, keys: Sequence[str], rows: list
     return len(session.execute(stmt, rows).all())
 
 
-_UNNEST_TABLES = frozenset({"metric_points", "eval_points"})
-"""The high-volume tables, whose columns are all scalars: on PostgreSQL a batch goes in as one array per column."""
+_UNNEST_TABLES = frozenset({"metric_points", "eval_points", "layer_snapshots"})
+"""The high-volume tables: on PostgreSQL a batch goes in as one array per column (a JSON column as an array of its
+texts, ``json[]``)."""
 
 
 def _insert_unnest(session: Session, table: Any, keys: Sequence[str], rows: list[dict[str, Any]]) -> int:
@@ -109,7 +121,11 @@ def _insert_unnest(session: Session, table: Any, keys: Sequence[str], rows: list
     """
     columns = [c for c in rows[0] if c != "created_at"]
     sql = _unnest_sql(table, tuple(columns), tuple(keys))
-    params: dict[str, Any] = {c: [r[c] for r in rows] for c in columns}
+    params: dict[str, Any] = {
+        c: [json.dumps(r[c], allow_nan=False) for r in rows] if isinstance(table.c[c].type, sa.JSON)
+        else [r[c] for r in rows]
+        for c in columns
+    }
     params["created_at"] = utcnow()  # one stamp for the batch (the ORM default gave each row its own)
     return int(session.execute(sql, params).rowcount or 0)  # type: ignore[attr-defined]
 
@@ -149,7 +165,7 @@ class _Rows:
     evals: list[dict[str, Any]] = field(default_factory=list)
     best: float | None = None
     last_step: int | None = None
-    layer_stats: dict[str, Any] | None = None
+    layers: list[dict[str, Any]] = field(default_factory=list)
 
     def add(self, ev: Mapping[str, Any]) -> None:
         kind, data = ev.get("type"), ev.get("data") or {}
@@ -166,8 +182,7 @@ class _Rows:
             self.evals.append({"run_id": self.run_id, "attempt_id": self.attempt_id, "step": _int(step),
                                "eval_loss": number_or_none(data.get("eval_loss"))})
         elif kind == "layer_stats":
-            if self.layer_stats is None or _int(step) >= _int(self.layer_stats.get("step")):
-                self.layer_stats = dict(jsonable(data))
+            self._layers(data)
 
     def _metric(self, data: Mapping[str, Any]) -> None:
         step = _int(data.get("step"))
@@ -192,6 +207,18 @@ class _Rows:
                    for k in ("grad_norm", "grad_norm_clipped", "lr", "loss_scale", "throughput")},
                 "skipped": skipped,
             })
+
+    def _layers(self, data: Mapping[str, Any]) -> None:
+        blocks, layers, diagnosis = data.get("block_grad_norms"), data.get("layer_grad_norms"), data.get("diagnosis")
+        self.layers.append({
+            "run_id": self.run_id,
+            "attempt_id": self.attempt_id,
+            "step": _int(data.get("step")),
+            "block_grad_norms": jsonable(list(blocks)) if isinstance(blocks, list | tuple) else [],
+            "layer_grad_norms": jsonable(dict(layers)) if isinstance(layers, Mapping) else {},
+            "update_ratio": number_or_none(data.get("update_ratio")),
+            "diagnosis": str(diagnosis)[:200] if diagnosis else None,
+        })
 
     def _anomaly(self, seq: int, data: Mapping[str, Any]) -> None:
         details = dict(jsonable(data.get("details") or {}))
@@ -255,6 +282,7 @@ def ingest_events(
     res.anomalies = _insert_ignore(session, AnomalyRow.__table__, ("attempt_id", "seq"), rows.anomalies)
     res.checkpoints = _insert_ignore(session, CheckpointRow.__table__, ("attempt_id", "step"), rows.checkpoints)
     res.evals = _insert_ignore(session, EvalPoint.__table__, ("attempt_id", "step"), rows.evals)
+    res.layers = _insert_ignore(session, LayerSnapshotRow.__table__, ("attempt_id", "step"), rows.layers)
     res.steps = sorted({r["step"] for r in rows.metrics})
     last_step = rows.last_step
     if end is not None:
@@ -276,10 +304,6 @@ def _record_end(attempt: Attempt, end: Mapping[str, Any]) -> None:
 
 def _update_aggregates(run: Run, attempt: Attempt, rows: _Rows, last_step: int | None, max_seq: int) -> None:
     """Maxima and minima only, so a redelivered batch changes nothing."""
-    if rows.layer_stats is not None:
-        current = (attempt.ray_info or {}).get("layer_stats") or {}
-        if _int(rows.layer_stats.get("step")) >= _int(current.get("step"), -1):
-            attempt.ray_info = {**(attempt.ray_info or {}), "layer_stats": rows.layer_stats}
     if last_step is not None and last_step >= 0:
         attempt.last_step = last_step if attempt.last_step is None else max(attempt.last_step, last_step)
         if attempt.number >= run.current_attempt:

@@ -234,6 +234,31 @@ class EvalPoint(Base):
     created_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
 
 
+class LayerSnapshotRow(Base):
+    """One ``layer_stats`` event: the per-block gradient norms by depth at one step, kept for every snapshot (not
+    only the newest) so the dashboard can draw the profile over time. Every ``telemetry.layer_stats_every`` steps,
+    so about a tenth of the metric rows; the per-parameter norms ride along as JSON (their names vary by model)."""
+
+    __tablename__ = "layer_snapshots"
+    __table_args__ = (
+        sa.UniqueConstraint("attempt_id", "step"),
+        sa.Index("ix_layer_snapshots_run_id_step", "run_id", "step"),
+    )
+
+    id: Mapped[int] = mapped_column(BigIntPK, primary_key=True)
+    run_id: Mapped[int] = mapped_column(sa.ForeignKey("runs.id", ondelete="CASCADE"))
+    attempt_id: Mapped[int] = mapped_column(sa.ForeignKey("attempts.id", ondelete="CASCADE"))
+    step: Mapped[int] = mapped_column()
+    block_grad_norms: Mapped[list[Any]] = mapped_column(JSONType)
+    """Gradient norm of each block, input → output; non-finite values as the strings NaN/Infinity/-Infinity."""
+    layer_grad_norms: Mapped[dict[str, Any]] = mapped_column(JSONType)
+    """Gradient norm of each named parameter (same encoding)."""
+    update_ratio: Mapped[float | None] = mapped_column(sa.Float)
+    diagnosis: Mapped[str | None] = mapped_column(sa.String(200))
+    """What the depth profile suggests (``vanishing with depth``), or NULL."""
+    created_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
+
+
 class Event(Base):
     """The audit log: every state change of a run or attempt, with its reason."""
 

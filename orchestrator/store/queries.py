@@ -1,6 +1,6 @@
 """A run's children as the API reads them: attempts, anomalies, checkpoints, metric series (min/max downsampled),
-anomaly counts, and what the live event stream polls (audit-log rows, anomalies and the newest metric after a
-position). Keyword arguments, read-only."""
+per-layer snapshots, anomaly counts, and what the live event stream polls (audit-log rows, anomalies and the newest
+metric after a position). Keyword arguments, read-only."""
 
 from __future__ import annotations
 
@@ -12,7 +12,16 @@ import sqlalchemy as sa
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
-from orchestrator.store.models import AnomalyRow, Attempt, CheckpointRow, EvalPoint, Event, MetricPoint, Run
+from orchestrator.store.models import (
+    AnomalyRow,
+    Attempt,
+    CheckpointRow,
+    EvalPoint,
+    Event,
+    LayerSnapshotRow,
+    MetricPoint,
+    Run,
+)
 from orchestrator.store.paging import PageResult, decode_cursor, encode_cursor
 
 
@@ -102,6 +111,41 @@ def list_checkpoints(*, session: Session, run_id: int) -> list[tuple[CheckpointR
         .order_by(CheckpointRow.step, CheckpointRow.id)
     )
     return [(c, int(n)) for c, n in session.execute(stmt)]
+
+
+def list_layer_snapshots(
+    *,
+    session: Session,
+    run_id: int,
+    attempt: int | None = None,
+    after_step: int | None = None,
+    limit: int = 500,
+    cursor: str | None = None,
+) -> PageResult[tuple[LayerSnapshotRow, int]]:
+    """A run's per-layer snapshots in (attempt number, step) order, each with its attempt number.
+
+    ``after_step`` keeps steps above it (with ``attempt``, what a live page has not seen yet); the cursor is the
+    last (attempt number, step) of the previous page, so a snapshot ingested late lands in its place in the order.
+    """
+    filters: list[sa.ColumnElement[bool]] = [LayerSnapshotRow.run_id == run_id]
+    if attempt is not None:
+        filters.append(Attempt.number == attempt)
+    if after_step is not None:
+        filters.append(LayerSnapshotRow.step > after_step)
+    base = (select(LayerSnapshotRow, Attempt.number)
+            .join(Attempt, Attempt.id == LayerSnapshotRow.attempt_id).where(*filters))
+    count = session.scalar(select(sa.func.count()).select_from(base.subquery())) or 0
+    stmt = base
+    if cursor is not None:
+        number, step = decode_cursor(cursor, (int, int))
+        stmt = stmt.where(sa.tuple_(Attempt.number, LayerSnapshotRow.step) > sa.tuple_(number, step))
+    ordered = stmt.order_by(Attempt.number, LayerSnapshotRow.step).limit(limit + 1)
+    rows = [(snap, int(n)) for snap, n in session.execute(ordered)]
+    nxt = None
+    if len(rows) > limit:
+        rows = rows[:limit]
+        nxt = encode_cursor(rows[-1][1], rows[-1][0].step)
+    return PageResult(rows, count, nxt)
 
 
 METRIC_SERIES = ("loss", "grad_norm", "grad_norm_clipped", "lr", "loss_scale", "throughput", "eval_loss")

@@ -27,6 +27,7 @@ from orchestrator.store.queries import (
     list_anomalies,
     list_attempts,
     list_checkpoints,
+    list_layer_snapshots,
     metric_series,
     newest_metric_after,
     state_changes_after,
@@ -52,7 +53,8 @@ __all__ = [
     "cancel_queued_run", "content_hash", "create_recipe", "create_run", "create_token", "current_overrides",
     "downsample_min_max", "get_attempt", "get_run", "get_run_by_idempotency_key", "get_run_overview",
     "get_token_by_hash",
-    "list_anomalies", "list_attempts", "list_checkpoints", "list_runs", "list_tokens", "metric_series",
+    "list_anomalies", "list_attempts", "list_checkpoints", "list_layer_snapshots", "list_runs", "list_tokens",
+    "metric_series",
     "newest_metric_after", "request_cancel", "request_retry", "revoke_token", "set_attempt_state", "set_run_state",
     "state_changes_after",
 ]

@@ -12,18 +12,20 @@ from collections.abc import Callable
 from html.parser import HTMLParser
 from pathlib import Path
 
+import httpx
 import pytest
 from fastapi.testclient import TestClient
 from sqlalchemy.orm import Session, sessionmaker
 
 from api.routes.dashboard import STATIC_DIR
-from orchestrator.store.models import Attempt
+from ballast import Client
+from orchestrator.store.models import LayerSnapshotRow
 from tests.api.conftest import seed_attempt, seed_run
 
 CDN_HOSTS = ("cdn.jsdelivr.net", "unpkg.com", "cdnjs.cloudflare.com", "fonts.googleapis.com", "fonts.gstatic.com",
              "cdn.redoc.ly", "fastapi.tiangolo.com")
 DASHBOARD_FILES = ("index.html", "app.js", "api.js", "util.js", "runs.js", "editor.js", "run.js", "charts.js",
-                   "heatmap.js", "yaml.js", "app.css", "favicon.svg")
+                   "heatmap.js", "export.js", "yaml.js", "app.css", "favicon.svg")
 VENDORED = ("uplot/uPlot.iife.min.js", "uplot/uPlot.min.css", "uplot/LICENSE",
             "swagger-ui/swagger-ui-bundle.js", "swagger-ui/swagger-ui.css", "swagger-ui/LICENSE", "swagger-ui/NOTICE",
             "redoc/redoc.standalone.js", "redoc/LICENSE", "SOURCES.md")
@@ -128,46 +130,76 @@ def test_openapi_lists_the_layers_endpoint_and_no_page_routes(client: TestClient
 
 
 # ------------------------------------------------------------------------------------------------- layers
-def _set_layer_stats(factory: sessionmaker[Session], attempt_id: int, stats: dict[str, object]) -> None:
+def _add_snapshots(factory: sessionmaker[Session], run_id: int, attempt_id: int, steps: list[int]) -> None:
     with factory() as s:
-        att = s.get(Attempt, attempt_id)
-        assert att is not None
-        att.ray_info = {"actor": "x", "layer_stats": stats}
+        for step in steps:
+            s.add(LayerSnapshotRow(run_id=run_id, attempt_id=attempt_id, step=step,
+                                   block_grad_norms=[2.5, "Infinity" if step == 60 else 0.5 / (step + 1)],
+                                   layer_grad_norms={"blocks.0.w": 2.5}, update_ratio=0.004,
+                                   diagnosis="vanishing with depth" if step >= 40 else None))
         s.commit()
 
 
-def test_layers_lists_the_newest_snapshot_of_each_attempt(
-    client: TestClient, session_factory: sessionmaker[Session]
+def test_layers_lists_every_snapshot_in_attempt_then_step_order(
+    url: str, session_factory: sessionmaker[Session]
 ) -> None:
     run_id = seed_run(session_factory, state="running")
     a1 = seed_attempt(session_factory, run_id, 1, state="diverged")
-    seed_attempt(session_factory, run_id, 2, state="running", kind="numeric_retry")  # nothing reported yet
-    a3_run = seed_run(session_factory, name="other", state="running")
-    _set_layer_stats(session_factory, a1, {
-        "step": 60, "layer_grad_norms": {"blocks.0.w": 2.5, "blocks.1.w": "Infinity"},
-        "block_grad_norms": [2.5, "Infinity"], "update_ratio": 0.004, "diagnosis": "vanishing with depth",
-    })
-    r = client.get(f"/api/v1/runs/{run_id}/layers")
+    a2 = seed_attempt(session_factory, run_id, 2, state="running", kind="numeric_retry")
+    other = seed_run(session_factory, name="other", state="running")
+    _add_snapshots(session_factory, run_id, a2, [60, 50])  # attempt 2 re-runs the steps after its checkpoint
+    _add_snapshots(session_factory, run_id, a1, [60, 0, 20, 40])
+    api = f"{url}/api/v1/runs/{run_id}/layers"
+    r = httpx.get(api)
     assert r.status_code == 200
-    assert r.json() == {"count": 1, "next": None, "data": [{
-        "attempt": 1, "step": 60, "block_grad_norms": [2.5, "Infinity"],
-        "layer_grad_norms": {"blocks.0.w": 2.5, "blocks.1.w": "Infinity"}, "update_ratio": 0.004,
-        "diagnosis": "vanishing with depth",
-    }]}
-    assert client.get(f"/api/v1/runs/{a3_run}/layers").json() == {"count": 0, "next": None, "data": []}
-    assert client.get("/api/v1/runs/999999/layers").status_code == 404
+    body = r.json()
+    assert [(d["attempt"], d["step"]) for d in body["data"]] == [(1, 0), (1, 20), (1, 40), (1, 60), (2, 50), (2, 60)]
+    assert (body["count"], body["next"]) == (6, None)
+    assert body["data"][3] == {"attempt": 1, "step": 60, "block_grad_norms": [2.5, "Infinity"],
+                               "layer_grad_norms": {"blocks.0.w": 2.5}, "update_ratio": 0.004,
+                               "diagnosis": "vanishing with depth"}
+    # a live page asks for what it has not seen: one attempt, after a step
+    live = httpx.get(api, params={"attempt": 1, "after_step": 20}).json()
+    assert [(d["attempt"], d["step"]) for d in live["data"]] == [(1, 40), (1, 60)] and live["count"] == 2
+    # pages follow the cursor through the attempt boundary
+    seen, cursor = [], None
+    while True:
+        page = httpx.get(api, params={"limit": 4, **({"cursor": cursor} if cursor else {})}).json()
+        seen += [(d["attempt"], d["step"]) for d in page["data"]]
+        assert page["count"] == 6
+        cursor = page["next"]
+        if not cursor:
+            break
+    assert seen == [(d["attempt"], d["step"]) for d in body["data"]]
+    assert httpx.get(f"{url}/api/v1/runs/{other}/layers").json() == {"count": 0, "next": None, "data": []}
+    assert httpx.get(f"{url}/api/v1/runs/999999/layers").status_code == 404
+    bad = httpx.get(api, params={"cursor": "nope"})
+    assert bad.status_code == 422 and bad.headers["content-type"] == "application/problem+json"
+    bad = httpx.get(api, params={"attempt": 0})
+    assert bad.status_code == 422 and [e["path"] for e in bad.json()["errors"]] == ["query.attempt"]
+
+
+def test_the_sdk_reads_every_layer_snapshot(url: str, session_factory: sessionmaker[Session]) -> None:
+    run_id = seed_run(session_factory, state="running")
+    a1 = seed_attempt(session_factory, run_id, 1, state="running")
+    _add_snapshots(session_factory, run_id, a1, list(range(0, 1200 * 10, 10)))  # more than one page of 1000
+    with Client(url) as client:
+        got = client.layers(run_id)
+        assert [d["step"] for d in got] == list(range(0, 12000, 10))
+        assert [d["step"] for d in client.layers(run_id, attempt=1, after_step=11970)] == [11980, 11990]
 
 
 def test_layers_of_someone_elses_run_is_404(
-    make_client: Callable[..., TestClient], make_token: Callable[..., dict[str, str]],
+    make_server: Callable[..., str], make_token: Callable[..., dict[str, str]],
     session_factory: sessionmaker[Session],
 ) -> None:
-    c = make_client(auth=True)
+    base = make_server(auth=True)
     run_id = seed_run(session_factory, owner="alice", state="running")
     alice, bob = make_token("alice", "read"), make_token("bob", "read")
-    assert c.get(f"/api/v1/runs/{run_id}/layers").status_code == 401
-    assert c.get(f"/api/v1/runs/{run_id}/layers", headers=bob).status_code == 404
-    assert c.get(f"/api/v1/runs/{run_id}/layers", headers=alice).status_code == 200
+    api = f"{base}/api/v1/runs/{run_id}/layers"
+    assert httpx.get(api).status_code == 401
+    assert httpx.get(api, headers=bob).status_code == 404
+    assert httpx.get(api, headers=alice).status_code == 200
 
 
 def test_the_package_data_ships_the_static_tree() -> None:

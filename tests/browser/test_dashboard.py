@@ -5,7 +5,7 @@ rollback to the step-50 checkpoint, attempt 2 succeeds) is submitted from the da
 follows it live to the end. Then the run page is opened afresh and what it drew is compared with what the REST
 API says: the charts report, from their own draw, the points per attempt and every marker with its position.
 
-Screenshots of the runs page and the run page (1280×800, auth on) go to ``docs/screenshots/`` (or
+Screenshots of the runs page, the run page (1280×800, auth on) and its heat map go to ``docs/screenshots/`` (or
 ``$BALLAST_SCREENSHOT_DIR``); the README shows them.
 """
 
@@ -151,8 +151,19 @@ def test_run_page_draws_attempts_anomalies_checkpoints_and_the_rollback(
     for path, (before, after) in second["overrides"].items():
         label = {"clipping.method": "clipping", "optimizer.lr": "lr", "clipping.max_norm": "clip"}.get(path, path)
         assert f"{label} {before} → {after}" in timeline
-    assert page.get_attribute("#layers .heatmap", "data-snapshots") == str(
-        len([s for s in layers if s["block_grad_norms"]]))
+    # the per-layer heat map over time: one panel per attempt, a column of depth cells per snapshot
+    usable = [s for s in layers if s["block_grad_norms"]]
+    assert page.get_attribute("#layers .heatmap", "data-snapshots") == str(len(usable))
+    heat = _attr_json(page, "#layers .heatmap", "data-drawn")
+    by_attempt = Counter(s["attempt"] for s in usable)
+    assert set(by_attempt) == {1, 2}
+    for number, n in by_attempt.items():
+        drawn_attempt = heat["attempts"][str(number)]
+        assert drawn_attempt["snapshots"] == n and drawn_attempt["cells"] == n * heat["depth"] > 0, number
+        assert page.locator(f"#layers canvas.heat[data-attempt='{number}']").count() == 1
+        assert page.locator(f"#layers ul.diagnoses[data-attempt='{number}'] li").count() >= 1
+    assert {"what": "resumed", "step": second["resume_step"]} in heat["attempts"]["2"]["marks"]
+    assert {"what": "onset", "step": onset} in heat["attempts"]["1"]["marks"]
     assert "apiVersion: ballast/v1" in page.inner_text("#recipe-yaml")
 
     if server.auth:  # the auth-on module also has a cancelled run: a fuller runs page for the README
@@ -160,6 +171,35 @@ def test_run_page_draws_attempts_anomalies_checkpoints_and_the_rollback(
         page.evaluate("window.scrollTo(0, 0)")
         SCREENSHOTS.mkdir(parents=True, exist_ok=True)
         page.screenshot(path=str(SCREENSHOTS / "run.png"))
+        page.locator("#layers").screenshot(path=str(SCREENSHOTS / "layers.png"))
+    assert w.problems() == {}
+
+
+@AUTH_ON_ONLY  # the download sends the bearer token: the case a plain link could not do
+def test_export_model_downloads_the_latest_healthy_checkpoint(
+    recovered: Recovered, server: Server, open_page: Any, tmp_path: Path
+) -> None:
+    from safetensors.torch import load_file
+
+    run_id = recovered.run_id
+    checkpoints = server.get(f"/runs/{run_id}/checkpoints")["data"]
+    healthy = max((c for c in checkpoints if c["healthy"] and not c["deleted"]),
+                  key=lambda c: (c["attempt"], c["step"]))
+    w = open_page(f"/#/runs/{run_id}")
+    page = w.page
+    page.wait_for_selector("main[data-ready=true] #run-title")
+    page.click("#export-model summary")
+    assert page.input_value("#export-checkpoint") == ""  # the server picks the latest healthy one
+    with page.expect_download() as info:
+        page.click("#export-model-btn")
+    download = info.value
+    assert download.suggested_filename == f"unstable-grad-spike-run{run_id}-step{healthy['step']}.safetensors"
+    path = tmp_path / download.suggested_filename
+    download.save_as(str(path))
+    weights = load_file(str(path))
+    assert weights and all(t.numel() > 0 for t in weights.values())
+    page.wait_for_selector("#export-status[data-done]")
+    assert f"checkpoint #{healthy['id']} (step {healthy['step']})" in page.inner_text("#export-status")
     assert w.problems() == {}
 
 

@@ -18,7 +18,7 @@ from sqlalchemy.orm import Session, sessionmaker
 from contracts.recipe import validate_recipe_data
 from orchestrator.store.db import transaction
 from orchestrator.store.ingest import ingest_events
-from orchestrator.store.models import AnomalyRow, Attempt, CheckpointRow, EvalPoint, MetricPoint, Run
+from orchestrator.store.models import AnomalyRow, Attempt, CheckpointRow, EvalPoint, LayerSnapshotRow, MetricPoint, Run
 from orchestrator.store.repo import create_run, metric_series
 from tests.orchestrator import ingest_before
 
@@ -94,7 +94,10 @@ def test_every_event_type_lands_in_its_table(session_factory: sessionmaker[Sessi
         assert attempt is not None and run is not None
         assert attempt.last_seq == 8 and attempt.last_step == 3 and attempt.onset_step == 3
         assert attempt.outcome is not None and attempt.outcome["detector"] == "loss_spike"
-        assert attempt.ray_info["layer_stats"]["layer_grad_norms"] == {"block0": 0.5, "block1": 0.25}
+        layers = s.scalars(sa.select(LayerSnapshotRow)).one()
+        assert (layers.step, layers.layer_grad_norms, layers.block_grad_norms, layers.update_ratio) == (
+            1, {"block0": 0.5, "block1": 0.25}, [], 1e-3)
+        assert "layer_stats" not in attempt.ray_info  # the table is the one place for them
         assert run.best_loss == 2.0 and run.last_step == 3
         # ingestion records; state changes are the scheduler's
         assert attempt.state == "running" and run.state == "queued"
@@ -116,6 +119,30 @@ def test_redelivered_and_reordered_batches_change_nothing(session_factory: sessi
         attempt, run = s.get(Attempt, attempt_id), s.get(Run, run_id)
         assert attempt is not None and run is not None
         assert attempt.last_seq == 8 and run.best_loss == 2.0
+
+
+def _layer_stats(step: int, blocks: list[float | None]) -> tuple[str, dict[str, Any]]:
+    return "layer_stats", {"step": step, "layer_grad_norms": {f"blocks.{i}.w": v for i, v in enumerate(blocks)},
+                           "block_grad_norms": blocks, "update_ratio": 2e-3,
+                           "diagnosis": "vanishing with depth" if step >= 20 else None}
+
+
+def test_every_layer_snapshot_is_kept_once(session_factory: sessionmaker[Session]) -> None:
+    """The heat map's history: one row per (attempt, step), a replay or a reordered delivery adds nothing, and
+    non-finite norms survive as the JSON strings the API sends."""
+    run_id, attempt_id = _make_run(session_factory)
+    events = _events([_layer_stats(0, [1.0, 0.5]), _metric(0, 3.0), _layer_stats(10, [0.8, 1e-4]),
+                      _layer_stats(20, [math.inf, math.nan])])
+    first = _ingest(session_factory, run_id, attempt_id, events[:2])
+    again = _ingest(session_factory, run_id, attempt_id, list(reversed(events)))
+    replay = _ingest(session_factory, run_id, attempt_id, events)
+    assert (first.layers, again.layers, replay.layers) == (1, 2, 0)
+    with transaction(session_factory) as s:
+        rows = s.scalars(sa.select(LayerSnapshotRow).order_by(LayerSnapshotRow.step)).all()
+        assert [(r.step, r.block_grad_norms, r.diagnosis) for r in rows] == [
+            (0, [1.0, 0.5], None), (10, [0.8, 1e-4], None), (20, ["Infinity", "NaN"], "vanishing with depth")]
+        assert rows[2].layer_grad_norms == {"blocks.0.w": "Infinity", "blocks.1.w": "NaN"}
+        assert all(r.run_id == run_id and r.update_ratio == 2e-3 for r in rows)
 
 
 def test_long_runs_are_downsampled_but_keep_the_steps_that_matter(session_factory: sessionmaker[Session]) -> None:
@@ -245,7 +272,11 @@ def _stored(factory: sessionmaker[Session], run_id: int, attempt_id: int) -> dic
         run, attempt = s.get(Run, run_id), s.get(Attempt, attempt_id)
         assert run is not None and attempt is not None
         out["run"] = (run.best_loss, run.last_step)
-        out["attempt"] = (attempt.last_seq, attempt.last_step, attempt.outcome, attempt.onset_step, attempt.ray_info)
+        info = dict(attempt.ray_info)
+        newest = info.pop("layer_stats", None)  # before: the newest snapshot only, in ray_info; now: every one
+        steps = s.scalars(sa.select(LayerSnapshotRow.step).where(LayerSnapshotRow.attempt_id == attempt_id)).all()
+        out["attempt"] = (attempt.last_seq, attempt.last_step, attempt.outcome, attempt.onset_step, info)
+        out["newest_layer_step"] = newest["step"] if newest else max(steps, default=None)
     return out
 
 
@@ -265,7 +296,7 @@ def test_batched_ingest_writes_what_the_previous_ingest_wrote(
             assert run is not None and attempt is not None
             want = ingest_before.ingest_events(session=s, run=run, attempt=attempt, events=batch,
                                                metrics_every_steps=every)
-        assert asdict(got) == asdict(want)
+        assert asdict(got) == asdict(want) | {"layers": got.layers}
     assert _stored(session_factory, *new) == _stored(session_factory, *old)
 
 

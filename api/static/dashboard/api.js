@@ -60,6 +60,22 @@ export async function api(path, opts = {}) {
 }
 
 /**
+ * `apiBlob(path)` → `{ blob, filename, headers }` for a download (the bearer token goes in the header, which a
+ * plain link cannot send). Non-2xx → ApiError with the problem document, as `api`.
+ */
+export async function apiBlob(path, { signal } = {}) {
+  const res = await fetch(API + path, { headers: headers({ Accept: 'application/octet-stream' }), signal });
+  if (!res.ok) {
+    let problem = {};
+    try { problem = await res.json(); } catch { /* not JSON: status only */ }
+    if (res.status === 401) window.dispatchEvent(new CustomEvent('ballast:unauthorized'));
+    throw new ApiError(res.status, problem);
+  }
+  const match = /filename="?([^";]+)"?/.exec(res.headers.get('Content-Disposition') || '');
+  return { blob: await res.blob(), filename: match ? match[1] : 'model', headers: res.headers };
+}
+
+/**
  * Follow `GET /runs/{id}/events` until the run ends or `signal` aborts; `onEvent(type, data)` per message.
  * Reconnects after a dropped connection with `Last-Event-ID`, waiting the server's `retry` interval. Returns
  * when the server sent `end`; `onStatus('live' | 'reconnecting' | 'closed')` tells the page what it is doing.

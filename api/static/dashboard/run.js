@@ -1,9 +1,11 @@
 // The run page: curves per attempt with anomalies, checkpoints and rollbacks drawn on them, the attempt
-// timeline, the per-layer profile, the recipe (as submitted and as each attempt ran it), and the actions.
-// While the run is active it follows the event stream and refreshes in place.
+// timeline, the per-layer profile over time, the recipe (as submitted and as each attempt ran it), and the actions
+// (cancel, retry, export the model). While the run is active it follows the event stream and refreshes in place;
+// the layer snapshots are fetched once and then only what is new (`attempt` + `after_step`).
 
 import { api, ApiError, followEvents } from './api.js';
 import { chartKey, stepChart } from './charts.js';
+import { exportForm } from './export.js';
 import { layerHeatmap } from './heatmap.js';
 import { applyOverrides, toYaml } from './yaml.js';
 import {
@@ -22,13 +24,13 @@ const CHARTS = [
     log: true, empty: 'No loss scale: this run does not use fp16 loss scaling.' },
 ];
 
-async function allAnomalies(id, signal) {
+async function allPages(path, params, signal) {
   const out = [];
   let cursor = null;
-  for (let page = 0; page < 10; page++) {
-    const q = new URLSearchParams({ limit: '1000' });
+  for (let page = 0; page < 50; page++) {
+    const q = new URLSearchParams({ limit: '1000', ...params });
     if (cursor) q.set('cursor', cursor);
-    const res = await api(`/runs/${id}/anomalies?${q}`, { signal });
+    const res = await api(`${path}?${q}`, { signal });
     out.push(...res.data);
     cursor = res.next;
     if (!cursor) break;
@@ -36,16 +38,44 @@ async function allAnomalies(id, signal) {
   return out;
 }
 
-async function loadAll(id, signal) {
-  const [run, attempts, anomalies, checkpoints, metrics, layers] = await Promise.all([
+/** The run's layer snapshots, kept between refreshes: an attempt that had ended when it was last read is done;
+ * the others are asked only for the steps after the newest one held. */
+class LayerCache {
+  constructor(id) { this.id = id; this.byAttempt = new Map(); this.done = new Set(); this.loaded = false; }
+
+  async update(attempts, signal) {
+    const path = `/runs/${this.id}/layers`;
+    if (!this.loaded) {
+      for (const s of await allPages(path, {}, signal)) this.add(s);
+      this.loaded = true;
+    } else {
+      for (const a of attempts.filter((x) => !this.done.has(x.number) && x.started_at)) {
+        const have = this.byAttempt.get(a.number) || [];
+        const after = have.length ? have[have.length - 1].step : -1;
+        for (const s of await allPages(path, { attempt: a.number, after_step: after }, signal)) this.add(s);
+      }
+    }
+    for (const a of attempts) if (a.ended_at) this.done.add(a.number);
+    return [...this.byAttempt.keys()].sort((a, b) => a - b).flatMap((n) => this.byAttempt.get(n));
+  }
+
+  add(s) {
+    if (!this.byAttempt.has(s.attempt)) this.byAttempt.set(s.attempt, []);
+    const list = this.byAttempt.get(s.attempt);
+    if (!list.length || list[list.length - 1].step < s.step) list.push(s);
+  }
+}
+
+async function loadAll(id, layerCache, signal) {
+  const [run, attempts, anomalies, checkpoints, metrics] = await Promise.all([
     api(`/runs/${id}`, { signal }),
     api(`/runs/${id}/attempts`, { signal }),
-    allAnomalies(id, signal),
+    allPages(`/runs/${id}/anomalies`, {}, signal),
     api(`/runs/${id}/checkpoints`, { signal }),
     api(`/runs/${id}/metrics?max_points=4000`, { signal }),
-    api(`/runs/${id}/layers`, { signal }),
   ]);
-  return { run, attempts: attempts.data, anomalies, checkpoints: checkpoints.data, metrics, layers: layers.data };
+  const layers = await layerCache.update(attempts.data, signal);
+  return { run, attempts: attempts.data, anomalies, checkpoints: checkpoints.data, metrics, layers };
 }
 
 export function mountRunPage(root, id) {
@@ -54,6 +84,8 @@ export function mountRunPage(root, id) {
   let streaming = false;
   let loading = null;
   let again = false;
+  const layerCache = new LayerCache(id);
+  const exporter = exportForm(id);
 
   const head = el('section', { class: 'panel run-head', 'aria-labelledby': 'run-title' });
   const stats = el('dl', { class: 'stats', id: 'run-stats' });
@@ -76,19 +108,18 @@ export function mountRunPage(root, id) {
     el('section', { class: 'panel', 'aria-labelledby': 'charts-h' },
       el('div', { class: 'panel-head' }, el('h2', { id: 'charts-h' }, 'Curves'), live),
       el('div', { class: 'charts' }, charts.map((c) => c.node)), key),
+    el('section', { class: 'panel', 'aria-labelledby': 'layers-h' },
+      el('h2', { id: 'layers-h' }, 'Gradient norm by depth over time'),
+      el('p', { class: 'muted small' }, 'Every per-layer snapshot of each attempt (telemetry.layer_stats_every), '
+        + 'with what the depth profile suggests.'),
+      layers),
     el('div', { class: 'two' },
       el('section', { class: 'panel', 'aria-labelledby': 'timeline-h' },
         el('h2', { id: 'timeline-h' }, 'Attempts'), timeline),
-      el('section', { class: 'panel', 'aria-labelledby': 'layers-h' },
-        el('h2', { id: 'layers-h' }, 'Gradient norm by depth'),
-        el('p', { class: 'muted small' }, 'The newest per-layer snapshot of each attempt (the store keeps one per '
-          + 'attempt, so this is not yet a history over time).'),
-        layers)),
-    el('div', { class: 'two' },
       el('section', { class: 'panel', 'aria-labelledby': 'anomalies-h' },
-        el('h2', { id: 'anomalies-h' }, 'Anomalies'), anomalyTable),
-      el('section', { class: 'panel', 'aria-labelledby': 'checkpoints-h' },
-        el('h2', { id: 'checkpoints-h' }, 'Checkpoints'), checkpointTable)),
+        el('h2', { id: 'anomalies-h' }, 'Anomalies'), anomalyTable)),
+    el('section', { class: 'panel', 'aria-labelledby': 'checkpoints-h' },
+      el('h2', { id: 'checkpoints-h' }, 'Checkpoints'), checkpointTable),
     el('section', { class: 'panel', 'aria-labelledby': 'recipe-h' },
       el('h2', { id: 'recipe-h' }, 'Recipe'), recipe));
 
@@ -96,7 +127,7 @@ export function mountRunPage(root, id) {
     if (loading) { again = true; return loading; }
     loading = (async () => {
       try {
-        model = await loadAll(id, abort.signal);
+        model = await loadAll(id, layerCache, abort.signal);
         message.hidden = true;
         render();
         root.dataset.ready = 'true';
@@ -152,7 +183,9 @@ export function mountRunPage(root, id) {
     for (const c of charts) c.update(model);
     fill(key, chartKey(attempts));
     fill(timeline, attempts.map((a) => timelineItem(a, attempts)));
-    fill(layers, layerHeatmap(model.layers));
+    fill(layers, layerHeatmap(model.layers, { attempts, anomalies: model.anomalies,
+      width: layers.clientWidth || 560 }));
+    exporter.update(model.checkpoints);
     fill(anomalyTable, anomaliesTable(model.anomalies));
     fill(checkpointTable, checkpointsTable(model.checkpoints));
     const rk = JSON.stringify(attempts.map((a) => [a.number, a.overrides]));
@@ -182,6 +215,7 @@ export function mountRunPage(root, id) {
         el('h1', { id: 'run-title' }, run.name, el('span', { class: 'muted id' }, ` #${run.id}`), ' ',
           stateBadge(run.state)),
         el('div', { class: 'actions' }, cancel, retry,
+          exporter.node,
           el('button', { type: 'button', id: 'export-btn', onclick: () => download(`ballast-run-${run.id}.json`, model) },
             'Export JSON'))),
       run.reason ? el('p', { class: 'reason', id: 'run-reason' }, run.reason) : null,
