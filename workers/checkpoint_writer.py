@@ -5,7 +5,7 @@ The training loop's only cost for a checkpoint is ``HostStaging.copy``: a privat
 containers rebuilt, so the loop may go on changing its own). The
 ``BackgroundWriter`` then serialises, checksums, writes, verifies and registers it on a thread of its own, with at
 most one write in flight: a save that finds the previous one still running waits for it, the one stall besides
-the copy. The thread runs at a lower CPU priority than the loop.
+the copy.
 
 What a caller of ``BackgroundWriter`` gets back (``collect``) is the job's result or its exception, on the
 caller's own thread: the ``Checkpointer`` (``workers/checkpointing.py``) registers a checkpoint (the ``checkpoint``
@@ -16,7 +16,6 @@ the newest one in force.
 
 from __future__ import annotations
 
-import os
 import threading
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -87,15 +86,6 @@ def to_host(obj: Any) -> Any:
     return HostStaging().copy(obj)
 
 
-def _lower_priority() -> None:
-    """The writer thread yields the CPU to the training thread when cores are short (Linux: a thread's nice
-    value is its own; raising it needs no privilege). Best effort."""
-    try:
-        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 10)
-    except (AttributeError, OSError):
-        pass
-
-
 class BackgroundWriter(Generic[T]):
     """One worker thread running one job at a time; the caller collects each job's outcome on its own thread.
 
@@ -104,7 +94,7 @@ class BackgroundWriter(Generic[T]):
     """
 
     def __init__(self, name: str = "ballast-checkpoint-writer") -> None:
-        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=name, initializer=_lower_priority)
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=name)
         self._pending: Future[T] | None = None
         self._lock = threading.Lock()
 
