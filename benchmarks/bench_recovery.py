@@ -7,17 +7,25 @@
    placement group, worker processes, process group.
 2. Steps/s of the same recipe through the service (Ray Train worker, events through the channel actor into the
    store) vs ``workers.entry.run_attempt`` in a plain process with a list sink, both on one CPU thread (a Ray
-   worker with ``num_cpus=1`` runs torch single-threaded). Start-up is excluded from the rate: from the first
-   to the last step's event.
+   worker with ``num_cpus=1`` runs torch single-threaded), checkpointing every 10 and every 100 steps, the pairs
+   interleaved in one run. Start-up is excluded from the rate: from the first to the last step's event.
+3. The loop's stall per checkpoint for a model with >= 50 MB of state (weights + AdamW moments), through the
+   service and in a plain process, beside the time to copy that state to host memory, in the same run: the
+   checkpoint event's ``timing`` (``stall_s``: the loop's time in ``Checkpointer.save``, ``copy_s``: its
+   ``to_host`` part, ``write_s``: the background write) and, measured from outside, the checkpoint step's extra
+   time over the median step (the metric events' timestamps).
 
-Usage: ``python benchmarks/bench_recovery.py [--repeats N] [--steps N]``. Prints a Markdown table.
+Usage: ``python benchmarks/bench_recovery.py [--parts recovery,throughput,stall] [--repeats N] [--steps N]
+[--throughput-repeats N]``. Prints Markdown tables.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -107,7 +115,54 @@ def steps_per_s(stamped: list[tuple[int, float]]) -> float:
     return (s1 - s0) / (t1 - t0)
 
 
-def plain(doc: dict[str, Any], home: Path) -> float:
+def big_recipe(name: str, *, max_steps: int, every: int) -> dict[str, Any]:
+    """A tiny_gpt with ~4.8 M parameters: 57 MB of fp32 weights and AdamW moments, short sequences so a CPU
+    step stays well under a second."""
+    doc = recipe(name, max_steps=max_steps)
+    doc["model"] = {"name": "tiny_gpt", "vocab_size": 64, "context": 16, "n_layers": 6, "n_heads": 4,
+                    "d_model": 256}
+    doc["data"] = {"name": "markov", "vocab_size": 64, "seq_len": 16}
+    doc["training"]["batch_size"] = 4
+    doc["checkpoint"] = {"every_steps": every, "keep": 2}
+    doc["detectors"] = {}
+    doc["success"] = {"min_progress": 0.0, "early_min_progress": 0.0}  # a stall measurement, not a learning one
+    return doc
+
+
+def stalls(events: list[dict[str, Any]], every: int) -> dict[str, float]:
+    """Medians over an attempt's checkpoints (the last one excluded: the end drains it): the loop's time in
+    ``save``, its copy to host memory, the background write, the state's size, and the checkpoint step's extra
+    time over the median ordinary step, from the metric events' timestamps."""
+    metrics = sorted((e["data"]["step"], e["ts"]) for e in events if e["type"] == "metric")
+    checkpoints = sorted((e["data"] for e in events if e["type"] == "checkpoint"), key=lambda c: c["step"])[:-1]
+    gaps = {s1: t1 - t0 for (_, t0), (s1, t1) in zip(metrics, metrics[1:], strict=False)}
+    # the metric of step s1 follows the checkpoint after s1 completed steps when s1 % every == 0
+    ordinary = statistics.median(g for step, g in gaps.items() if step % every != 0)
+    outside = [gaps[c["step"]] - ordinary for c in checkpoints if c["step"] in gaps]
+    return {
+        "stall_s": statistics.median(c["timing"]["stall_s"] for c in checkpoints),
+        "copy_s": statistics.median(c["timing"]["copy_s"] for c in checkpoints),
+        "write_s": statistics.median(c["timing"]["write_s"] for c in checkpoints),
+        "mb": statistics.median(c["timing"]["bytes"] for c in checkpoints) / 1e6,
+        "outside_s": statistics.median(outside),
+        "step_s": ordinary,
+        "n": float(len(checkpoints)),
+    }
+
+
+def plain_events(doc: dict[str, Any], home: Path) -> list[dict[str, Any]]:
+    """``run_attempt`` in a fresh plain process (no Ray, one torch thread), its events stamped like the
+    ``ActorSink``'s. A subprocess, not this one: the benchmark's own process holds a Ray driver and the
+    scheduler, which slowed an in-process run 2-5x against a fresh process."""
+    home.mkdir(parents=True, exist_ok=True)
+    (home / "recipe.json").write_text(json.dumps(doc))
+    subprocess.run([sys.executable, __file__, "--plain-child", str(home)], check=True, cwd=REPO)
+    events: list[dict[str, Any]] = json.loads((home / "events.json").read_text())
+    return events
+
+
+def plain_child(home: Path) -> None:
+    """The plain process of ``plain_events``: the recipe from ``home/recipe.json``, events to ``events.json``."""
     import torch
 
     from contracts.wire import AttemptSpec
@@ -121,15 +176,102 @@ def plain(doc: dict[str, Any], home: Path) -> float:
 
     torch.set_num_threads(1)
     sink = StampingSink()
+    doc = json.loads((home / "recipe.json").read_text())
     run_attempt(AttemptSpec(recipe=validate_recipe_data(doc), checkpoint_dir=str(home / "plain")), sink)
-    return steps_per_s([(e["data"]["step"], e["ts"]) for e in sink.events if e["type"] == "metric"])
+    (home / "events.json").write_text(json.dumps(sink.events))
+
+
+def throughput(root: Path, steps: int, repeats: int, rows: list[str]) -> None:
+    """Service and plain steps/s at checkpoints every 10 and every 100 steps, interleaved, medians of pairs."""
+    rates: dict[tuple[int, str], list[float]] = {}
+    for i in range(repeats):
+        for every in (10, 100):
+            doc = recipe(f"bench-throughput-{every}", max_steps=steps)
+            doc["checkpoint"]["every_steps"] = every
+            state, events, wall = through_service(doc, root / f"service-{every}-{i}")
+            assert state == "succeeded", f"throughput run ended {state}"
+            service = steps_per_s([(e["data"]["step"], e["ts"]) for e in events if e["type"] == "metric"])
+            local = steps_per_s([(e["data"]["step"], e["ts"]) for e in plain_events(doc, root / f"plain-{every}-{i}")
+                                 if e["type"] == "metric"])
+            rates.setdefault((every, "service"), []).append(service)
+            rates.setdefault((every, "plain"), []).append(local)
+            rates.setdefault((every, "ratio"), []).append(service / local)
+            print(f"  throughput {i + 1}, checkpoint every {every}: plain {local:.1f}, service {service:.1f} "
+                  f"steps/s, ratio {service / local:.2f} (service run wall {wall:.1f} s)", file=sys.stderr)
+    rows.append("| checkpoint every | plain process (`run_attempt` + list sink) | through the service "
+                "(Ray Train worker → channel actor → store) | service / plain (median of pairs) | each pair |")
+    rows.append("| --- | --- | --- | --- | --- |")
+    for every in (10, 100):
+        pairs = ", ".join(f"{r:.2f}" for r in rates[(every, "ratio")])
+        rows.append(f"| {every} steps | {statistics.median(rates[(every, 'plain')]):.1f} steps/s | "
+                    f"{statistics.median(rates[(every, 'service')]):.1f} steps/s | "
+                    f"{statistics.median(rates[(every, 'ratio')]):.2f} | {pairs} |")
+    rows.append(f"\n({steps} steps each, {repeats} interleaved pairs per interval; rates from the first to the last "
+                "step, start-up excluded.)\n")
+
+
+def stall(root: Path, steps: int, every: int, rows: list[str]) -> None:
+    """The >= 50 MB model's stall per checkpoint beside its copy to host memory, through the service and plain."""
+    doc = big_recipe("bench-stall", max_steps=steps, every=every)
+    measured: dict[str, dict[str, float]] = {}
+    state, events, wall = through_service(doc, root / "stall-service")
+    assert state == "succeeded", f"stall run ended {state}"
+    measured["through the service"] = stalls(events, every)
+    measured["plain process"] = stalls(plain_events(doc, root / "stall-plain"), every)
+    rows.append("| where | state | checkpoints | ordinary step | copy to host (`copy_s`) | loop stall in `save` "
+                "(`stall_s`) | stall / copy | checkpoint step's extra time (outside view) | background write "
+                "(`write_s`) |")
+    rows.append("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    for where, m in measured.items():
+        rows.append(f"| {where} | {m['mb']:.1f} MB | {int(m['n'])} | {m['step_s'] * 1e3:.0f} ms | "
+                    f"{m['copy_s'] * 1e3:.1f} ms | {m['stall_s'] * 1e3:.1f} ms | {m['stall_s'] / m['copy_s']:.2f} | "
+                    f"{m['outside_s'] * 1e3:.1f} ms | {m['write_s'] * 1e3:.0f} ms |")
+        print(f"  stall, {where}: {m}", file=sys.stderr)
+    rows.append(f"\n({steps} steps, a checkpoint every {every}; medians over the checkpoints but the last, which "
+                f"the attempt's end drains; service run wall {wall:.1f} s.)\n")
+
+
+def recovery(root: Path, repeats: int, rows: list[str]) -> None:
+    """Divergence → the next attempt's first step, in place and with a full worker-group restart."""
+    gaps: dict[str, list[float]] = {"in place": [], "full restart": []}
+    walls: dict[str, list[float]] = {"in place": [], "full restart": []}
+    for i in range(repeats):
+        for mode, in_place in (("in place", True), ("full restart", False)):
+            doc = recipe(f"bench-{'inplace' if in_place else 'restart'}", max_steps=60, in_place=in_place,
+                         fault_step=35)
+            state, events, wall = through_service(doc, root / f"{mode.replace(' ', '-')}-{i}")
+            assert state == "succeeded", f"{mode}: run ended {state}"
+            gaps[mode].append(recovery_gap(events))
+            walls[mode].append(wall)
+            print(f"  {mode:12s} run {i + 1}: divergence → next attempt's first step "
+                  f"{gaps[mode][-1]:.2f} s (run wall {wall:.1f} s)", file=sys.stderr)
+    rows.append("| recovery mode | divergence → first step of the next attempt (median) | runs | "
+                "whole run (median, incl. start-up) |")
+    rows.append("| --- | --- | --- | --- |")
+    for mode in gaps:
+        rows.append(f"| {mode} | {statistics.median(gaps[mode]):.2f} s "
+                    f"(min {min(gaps[mode]):.2f}, max {max(gaps[mode]):.2f}) | {len(gaps[mode])} | "
+                    f"{statistics.median(walls[mode]):.1f} s |")
+    ratio = statistics.median(gaps["full restart"]) / max(statistics.median(gaps["in place"]), 1e-9)
+    rows.append(f"\nIn-place recovery is {ratio:.1f}x faster to resume than a full worker-group restart.\n")
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--parts", default="recovery,throughput,stall",
+                        help="Comma-separated: recovery, throughput, stall.")
     parser.add_argument("--repeats", type=int, default=2, help="Runs per recovery mode.")
-    parser.add_argument("--steps", type=int, default=300, help="Steps of the throughput recipe.")
+    parser.add_argument("--steps", type=int, default=2000, help="Steps of the throughput recipe.")
+    parser.add_argument("--throughput-repeats", type=int, default=3,
+                        help="Interleaved service/plain pairs per checkpoint interval.")
+    parser.add_argument("--stall-steps", type=int, default=200, help="Steps of the >= 50 MB model.")
+    parser.add_argument("--stall-every", type=int, default=40, help="Its checkpoint interval.")
+    parser.add_argument("--plain-child", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.plain_child is not None:
+        plain_child(args.plain_child)
+        return
+    parts = set(args.parts.split(","))
 
     import ray
 
@@ -139,42 +281,12 @@ def main() -> None:
     try:
         with tempfile.TemporaryDirectory(prefix="ballast-bench-") as tmp:
             root = Path(tmp)
-            gaps: dict[str, list[float]] = {"in place": [], "full restart": []}
-            walls: dict[str, list[float]] = {"in place": [], "full restart": []}
-            for i in range(args.repeats):
-                for mode, in_place in (("in place", True), ("full restart", False)):
-                    doc = recipe(f"bench-{'inplace' if in_place else 'restart'}", max_steps=60, in_place=in_place,
-                                 fault_step=35)
-                    state, events, wall = through_service(doc, root / f"{mode.replace(' ', '-')}-{i}")
-                    assert state == "succeeded", f"{mode}: run ended {state}"
-                    gaps[mode].append(recovery_gap(events))
-                    walls[mode].append(wall)
-                    print(f"  {mode:12s} run {i + 1}: divergence → next attempt's first step "
-                          f"{gaps[mode][-1]:.2f} s (run wall {wall:.1f} s)", file=sys.stderr)
-            rows.append("| recovery mode | divergence → first step of the next attempt (median) | runs | "
-                        "whole run (median, incl. start-up) |")
-            rows.append("| --- | --- | --- | --- |")
-            for mode in gaps:
-                rows.append(f"| {mode} | {statistics.median(gaps[mode]):.2f} s "
-                            f"(min {min(gaps[mode]):.2f}, max {max(gaps[mode]):.2f}) | {len(gaps[mode])} | "
-                            f"{statistics.median(walls[mode]):.1f} s |")
-            ratio = statistics.median(gaps["full restart"]) / max(statistics.median(gaps["in place"]), 1e-9)
-            rows.append(f"\nIn-place recovery is {ratio:.1f}x faster to resume than a full worker-group restart.\n")
-
-            rows.append("| checkpoint every | plain process (`run_attempt` + list sink) | through the service "
-                        "(Ray Train worker → channel actor → store) | service / plain |")
-            rows.append("| --- | --- | --- | --- |")
-            for every in (10, 100):
-                doc = recipe(f"bench-throughput-{every}", max_steps=args.steps)
-                doc["checkpoint"]["every_steps"] = every
-                state, events, wall = through_service(doc, root / f"service-{every}")
-                assert state == "succeeded", f"throughput run ended {state}"
-                service = steps_per_s([(e["data"]["step"], e["ts"]) for e in events if e["type"] == "metric"])
-                local = plain(doc, root / f"plain-{every}")
-                rows.append(f"| {every} steps | {local:.1f} steps/s | {service:.1f} steps/s | {service / local:.2f} |")
-                print(f"  throughput, checkpoint every {every}: plain {local:.1f}, service {service:.1f} steps/s "
-                      f"(service run wall {wall:.1f} s)", file=sys.stderr)
-            rows.append(f"\n({args.steps} steps each; rates from the first to the last step, start-up excluded.)")
+            if "recovery" in parts:
+                recovery(root, args.repeats, rows)
+            if "throughput" in parts:
+                throughput(root, args.steps, args.throughput_repeats, rows)
+            if "stall" in parts:
+                stall(root, args.stall_steps, args.stall_every, rows)
     finally:
         ray.shutdown()
     print("\n".join(rows))

@@ -1,6 +1,6 @@
 """Where checkpoints live: a local directory, or an object store (``s3://bucket/prefix``) reached through pyarrow's
-filesystems, the layer Ray Train persists checkpoints with. One ``Location`` type for both, so reading a manifest,
-verifying files, listing, corrupting (a fault) and deleting a checkpoint are written once.
+filesystems (the layer Ray Train uses for its storage too). One ``Location`` type for both, so writing, reading a
+manifest, verifying files, listing, corrupting (a fault) and deleting a checkpoint are written once.
 
 ``StorageOptions`` says how to reach the object store (endpoint and, optionally, explicit keys; otherwise the AWS
 SDK's own chain: ``AWS_ACCESS_KEY_ID``/``AWS_SECRET_ACCESS_KEY``, ``AWS_ENDPOINT_URL_S3``, instance roles). It is

@@ -51,10 +51,10 @@ anomalies, checkpoints and outcomes are always kept."""
 MAX_ERROR_CHARS = 8000
 MAX_FAILURE_MESSAGE_CHARS = 2000
 CONTROLLER_POLL_S = "0.25"
-"""Ray Train V2's controller polls its workers every ``RAY_TRAIN_HEALTH_CHECK_INTERVAL_S`` (default 2 s), and a
-worker's ``ray.train.report`` waits until the controller has taken the previous report: with checkpoints less
-than 2 s apart every report blocked ~2 s. Polling 4x a second costs the controller little and removes most of
-that wait (an operator's own setting of the variable wins)."""
+"""Ray Train V2's controller polls its workers every ``RAY_TRAIN_HEALTH_CHECK_INTERVAL_S`` (default 2 s). The
+workers no longer call ``ray.train.report`` (whose wait for the controller once stalled every checkpoint), but
+the poll still bounds how soon the controller sees a finished or failed worker group: 4x a second costs it little
+(an operator's own setting of the variable wins)."""
 DEFAULT_TRAIN_FN = "workers.entry:train_loop_per_worker"
 """The per-worker entry; a launch may name another (set by the scheduler, never by a recipe)."""
 DEFAULT_STEP_TIMEOUT_S = 600.0
@@ -297,7 +297,8 @@ def run_torch_trainer(launch: Mapping[str, Any], channel: Any) -> None:
     module, _, func = str(launch.get("train_fn") or DEFAULT_TRAIN_FN).partition(":")
     train_loop_per_worker = getattr(importlib.import_module(module), func)
 
-    # an object-store root: Ray Train persists the checkpoints through the same filesystem Ballast reads them with
+    # an object-store root: Ray Train keeps its own files there through the filesystem Ballast's workers write
+    # checkpoints with (rank 0 writes them itself, workers/checkpointing.py)
     storage_path, storage_fs = str(launch["storage_path"]), None
     if local_dir(storage_path) is None:
         storage_fs, storage_path = StorageOptions.from_dict(launch.get("storage")).filesystem(storage_path)

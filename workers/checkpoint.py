@@ -11,6 +11,13 @@ Tensors load onto the CPU.
 
 Saving writes everything into a hidden temporary directory next to the target, fsyncs each file, writes the
 manifest last, fsyncs, and renames the directory into place, so a crash leaves either a complete checkpoint or none.
+``attach`` adds directories of files already written (FSDP's shards from every rank:
+``workers/sharded_checkpoint.py``) under a subdirectory name: their files are moved in (uploaded, on an object
+store) before the manifest, which lists them (``<name>/<file>``) with their checksums like the state parts, so
+verification, retention and deletion treat them alike.
+The same steps split for a background writer: ``check_state`` (on the caller's thread), ``encode_checkpoint``
+(bytes and checksums) and ``write_checkpoint`` (to a ``Location``: locally as above, on an object store the data
+objects first and the manifest last).
 Loading verifies the manifest's own checksum and every file's sha256 before unpickling and raises
 :class:`CorruptCheckpoint` otherwise. ``CheckpointInfo.sha256`` is the manifest checksum: one digest that
 identifies the whole checkpoint (the control plane stores it and may pass it back as ``expected_sha256``).
@@ -46,6 +53,7 @@ from contracts.checkpoint import (
     read_manifest,
     verify_files,
 )
+from contracts.storage import Location
 
 _KEY_RE = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]{0,99}$")
 _LEAF_TYPES = (str, int, float, bool, bytes, type(None), torch.Size, torch.dtype, torch.device)
@@ -101,46 +109,10 @@ def _write_synced(path: Path, data: bytes) -> None:
         os.fsync(fh.fileno())
 
 
-def _adopt(src: Path, tmp: Path, sub: str) -> dict[str, dict[str, Any]]:
-    """Move the directory ``src`` to ``tmp/sub`` → its files' manifest entries (``sub/<relative path>``)."""
-    if not _KEY_RE.match(sub) or sub in {"manifest.json"} or sub.endswith(".pt"):
-        raise ValueError(f"attach name {sub!r}: use letters, digits, '_', '-', '.' and no .pt suffix")
-    dest = tmp / sub
-    shutil.move(str(src), str(dest))
-    files: dict[str, dict[str, Any]] = {}
-    for path in sorted(p for p in dest.rglob("*") if p.is_file()):
-        digest = hashlib.sha256()
-        with path.open("rb") as fh:
-            for block in iter(lambda: fh.read(1 << 20), b""):
-                digest.update(block)
-        files[f"{sub}/{path.relative_to(dest).as_posix()}"] = {"sha256": digest.hexdigest(),
-                                                               "bytes": path.stat().st_size}
-    _fsync_dir(dest)
-    return files
-
-
-def _adopt_all(tmp: Path, attach: Mapping[str, Path] | None) -> dict[str, dict[str, Any]]:
-    files: dict[str, dict[str, Any]] = {}
-    for sub, src in (attach or {}).items():
-        files |= _adopt(Path(src), tmp, sub)
-    return files
-
-
-def save_checkpoint(
-    directory: str | Path, state: dict[str, Any], *, meta: dict[str, Any], overwrite: bool = False,
-    attach: Mapping[str, Path] | None = None,
-) -> CheckpointInfo:
-    """Write ``state`` atomically to ``directory`` (which must not exist, or be empty, unless ``overwrite``).
-
-    ``meta`` must be JSON-serialisable (NaN allowed) and contain ``step`` (int >= 0); ``healthy`` (bool, default
-    False) is the health verdict the retention rule reads; anything else (verdict reasons, metrics) is kept.
-
-    ``attach`` (subdirectory name → a directory of files already written, e.g. FSDP's shards from every rank:
-    ``workers/sharded_checkpoint.py``) moves each directory into the checkpoint under that name before the
-    manifest is written; its files are listed in the manifest (``<name>/<file>``) with their checksums like the
-    state parts, so verification, retention and deletion treat them alike.
-    """
-    target = Path(directory)
+def check_state(state: dict[str, Any], meta: dict[str, Any]) -> None:
+    """Refuse, naming the offending path, a state or meta that would make an unloadable checkpoint (see the
+    module docstring): ``save_checkpoint`` calls it, and the background writer's caller calls it before handing
+    the state over, so the mistake surfaces in the training loop rather than in a thread."""
     step = meta.get("step")
     if not isinstance(step, int) or isinstance(step, bool) or step < 0:
         raise ValueError(f"meta['step'] must be an int >= 0, got {step!r}")
@@ -157,35 +129,132 @@ def save_checkpoint(
         json.dumps(meta)
     except (TypeError, ValueError) as exc:
         raise ValueError(f"meta must be JSON-serialisable: {exc}") from exc
+
+
+@dataclass(frozen=True)
+class EncodedCheckpoint:
+    """A checkpoint as bytes, ready to be written: one file per state part, then the manifest that lists them."""
+
+    files: dict[str, bytes]
+    manifest: bytes
+    attached: dict[str, Path]
+    """Manifest name (``<sub>/<relative path>``) → the already written file that goes there (``attach``)."""
+    sha256: str
+    """The manifest's checksum (``CheckpointInfo.sha256``)."""
+    step: int
+    healthy: bool
+
+
+def _attached_files(attach: Mapping[str, Path] | None) -> dict[str, Path]:
+    """``attach`` (subdirectory name → a directory of written files) → manifest name → file."""
+    out: dict[str, Path] = {}
+    for sub, src in (attach or {}).items():
+        if not _KEY_RE.match(sub) or sub == MANIFEST or sub.endswith(".pt"):
+            raise ValueError(f"attach name {sub!r}: use letters, digits, '_', '-', '.' and no .pt suffix")
+        root = Path(src)
+        for path in sorted(p for p in root.rglob("*") if p.is_file()):
+            out[f"{sub}/{path.relative_to(root).as_posix()}"] = path
+    return out
+
+
+def _file_digest(path: Path) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as fh:
+        for block in iter(lambda: fh.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def encode_checkpoint(state: dict[str, Any], meta: dict[str, Any],
+                      attach: Mapping[str, Path] | None = None) -> EncodedCheckpoint:
+    """Serialise a checked state (``check_state``): ``torch.save`` per part, each file's sha256 (the attached
+    files' too), the manifest."""
+    step, healthy = int(meta["step"]), bool(meta.get("healthy", False))
+    blobs: dict[str, bytes] = {}
+    files: dict[str, dict[str, Any]] = {}
+    for key, value in state.items():
+        buf = io.BytesIO()
+        torch.save(value, buf)
+        data = buf.getvalue()
+        name = f"{key}.pt"
+        blobs[name] = data
+        files[name] = {"sha256": hashlib.sha256(data).hexdigest(), "bytes": len(data)}
+    attached = _attached_files(attach)
+    for name, path in attached.items():
+        files[name] = {"sha256": _file_digest(path), "bytes": path.stat().st_size}
+    body = {
+        "format": FORMAT,
+        "format_version": FORMAT_VERSION,
+        "step": step,
+        "healthy": healthy,
+        "created_at": datetime.now(UTC).isoformat(),
+        "keys": list(state),
+        "files": files,
+        "meta": meta,
+    }
+    checksum = hashlib.sha256(canonical_json(body)).hexdigest()
+    manifest = json.dumps({**body, "checksum": checksum}, indent=2, sort_keys=True).encode()
+    return EncodedCheckpoint(files=blobs, manifest=manifest, attached=attached, sha256=checksum, step=step,
+                             healthy=healthy)
+
+
+def save_checkpoint(
+    directory: str | Path, state: dict[str, Any], *, meta: dict[str, Any], overwrite: bool = False,
+    attach: Mapping[str, Path] | None = None,
+) -> CheckpointInfo:
+    """Write ``state`` atomically to ``directory`` (which must not exist, or be empty, unless ``overwrite``).
+
+    ``meta`` must be JSON-serialisable (NaN allowed) and contain ``step`` (int >= 0); ``healthy`` (bool, default
+    False) is the health verdict the retention rule reads; anything else (verdict reasons, metrics) is kept.
+    ``attach``: directories of written files moved in under those names (module docstring).
+    """
+    target = Path(directory)
+    check_state(state, meta)
     if target.exists() and not overwrite and (not target.is_dir() or any(target.iterdir())):
         raise FileExistsError(f"checkpoint directory {target} already exists and is not empty")
+    encoded = encode_checkpoint(state, meta, attach)
+    _commit_local(target, encoded)
+    return CheckpointInfo(path=target, sha256=encoded.sha256, step=encoded.step, healthy=encoded.healthy)
 
+
+def write_checkpoint(where: Location, encoded: EncodedCheckpoint) -> None:
+    """Write an encoded checkpoint to a local directory or an object-store prefix, replacing what is there, so
+    that no reader ever finds a partial one under the name.
+
+    Locally: a hidden temporary directory next to the target, every file fsynced, the manifest last, then a
+    rename. On an object store (no rename): the old manifest is deleted first, the data files are put, the
+    manifest last; a prefix without a manifest fails verification, so it is never resumed from nor registered.
+    """
+    if where.local is not None:
+        _commit_local(where.local, encoded)
+        return
+    import pyarrow.fs as pafs
+
+    fs, path = where.storage.filesystem(where.uri)
+    if fs.get_file_info(f"{path}/{MANIFEST}").type == pafs.FileType.File:
+        fs.delete_file(f"{path}/{MANIFEST}")
+    fs.create_dir(path, recursive=True)
+    for name, data in encoded.files.items():
+        where.write_bytes(name, data)
+    for name, src in encoded.attached.items():
+        where.write_bytes(name, src.read_bytes())
+    where.write_bytes(MANIFEST, encoded.manifest)
+
+
+def _commit_local(target: Path, encoded: EncodedCheckpoint) -> None:
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = target.parent / f".{target.name}.tmp-{uuid.uuid4().hex[:12]}"
     tmp.mkdir()
     try:
-        files: dict[str, dict[str, Any]] = {}
-        for key, value in state.items():
-            buf = io.BytesIO()
-            torch.save(value, buf)
-            data = buf.getvalue()
-            name = f"{key}.pt"
+        for name, data in encoded.files.items():
             _write_synced(tmp / name, data)
-            files[name] = {"sha256": hashlib.sha256(data).hexdigest(), "bytes": len(data)}
-        files |= _adopt_all(tmp, attach)
-        body = {
-            "format": FORMAT,
-            "format_version": FORMAT_VERSION,
-            "step": step,
-            "healthy": healthy,
-            "created_at": datetime.now(UTC).isoformat(),
-            "keys": list(state),
-            "files": files,
-            "meta": meta,
-        }
-        checksum = hashlib.sha256(canonical_json(body)).hexdigest()
-        manifest = {**body, "checksum": checksum}
-        _write_synced(tmp / MANIFEST, json.dumps(manifest, indent=2, sort_keys=True).encode())
+        for name, src in encoded.attached.items():
+            (tmp / name).parent.mkdir(parents=True, exist_ok=True)
+            shutil.move(str(src), str(tmp / name))
+        for sub in {name.split("/", 1)[0] for name in encoded.attached}:
+            for d in sorted({p for p in (tmp / sub).rglob("*") if p.is_dir()} | {tmp / sub}, reverse=True):
+                _fsync_dir(d)
+        _write_synced(tmp / MANIFEST, encoded.manifest)
         _fsync_dir(tmp)
         if target.exists():
             if target.is_dir() and not any(target.iterdir()):
@@ -199,7 +268,6 @@ def save_checkpoint(
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    return CheckpointInfo(path=target, sha256=checksum, step=step, healthy=healthy)
 
 
 def load_checkpoint(

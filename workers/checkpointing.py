@@ -11,16 +11,23 @@ decides what is in them and where they go:
   loss within the loss detector's bounds, no regression of the smoothed loss nor, when an eval loss was measured
   at the checkpoint's step, of the eval loss).
 - ``Checkpointer``: under ``distributed.strategy: fsdp`` every rank first writes its shards of the model and
-  optimizer (``workers/sharded_checkpoint.py``), which rank 0's write adopts. Rank 0 writes to the attempt's
-  directory in a plain process, or to a scratch directory that it
-  hands to ``ray.train.report`` under Ray Train (every rank reports, so all report the same number of times);
-  then the ``checkpoint`` event, the corrupt-checkpoint fault and, in a plain process, retention.
+  optimizer into a staging directory (``workers/sharded_checkpoint.py``; synchronous, a collective), which rank 0's
+  write adopts. Rank 0 copies the state to host memory and hands it to a background writer
+  (``workers/checkpoint_writer.py``), which writes it to the attempt's directory in a plain process, or straight to
+  ``<checkpoint_uri_prefix>/step_XXXXXXXX`` under Ray Train (a local or shared path, or ``s3://`` through pyarrow,
+  as Ray Train would), verifies it and, in a plain process, applies retention. Only then, on the training thread,
+  is it registered: the attempt's result, the ``checkpoint`` event (how the store learns of it; nothing goes
+  through ``ray.train.report``, Ballast's store owns checkpoints) and the corrupt-checkpoint fault. At most one
+  write is in flight; the attempt's end (``drain``) waits for it, so the ``end`` event, the result and an
+  in-place rollback's plan see only checkpoints that were written and verified.
 - ``materialize``: a local directory for a checkpoint path or URI (an object-store checkpoint is downloaded
   through Ray Train's ``Checkpoint`` with the launch's ``StorageOptions``).
 
 Under Ray Train a checkpoint's URI is ``<checkpoint_uri_prefix>/step_XXXXXXXX`` whatever the storage (a local
-path, a shared mount, ``s3://``): Ray Train persists it there and every later reader (a resume, the scheduler's
-verification and retention) goes through ``contracts.storage.Location``.
+path, a shared mount, ``s3://``; the prefix is Ray Train's run directory, ``<storage_path>/<run_name>``): the
+writer puts it there and every later reader (a resume, the scheduler's verification, reconciliation and retention)
+goes through ``contracts.storage.Location``. A write is never visible half done: locally a hidden temporary
+directory renamed into place, on an object store the manifest put last.
 """
 
 from __future__ import annotations
@@ -29,7 +36,7 @@ import contextlib
 import math
 import shutil
 import socket
-import tempfile
+import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -38,10 +45,11 @@ from typing import Any
 import torch
 from torch import nn
 
-from contracts.checkpoint import apply_retention
+from contracts.checkpoint import apply_retention, verify_checkpoint
 from contracts.storage import Location, StorageOptions, local_dir
 from contracts.wire import AttemptSpec, SavedCheckpoint, finite_or_none
-from workers.checkpoint import rng_state, save_checkpoint, set_rng_state
+from workers.checkpoint import check_state, encode_checkpoint, rng_state, set_rng_state, write_checkpoint
+from workers.checkpoint_writer import BackgroundWriter, HostStaging
 from workers.clipping import Clipper
 from workers.comm import load_powersgd_state, powersgd_state_dict
 from workers.context import WorkerContext, barrier, gather_objects
@@ -163,8 +171,42 @@ def health_verdict(module: nn.Module, *, loss: float, loss_in_bounds: bool, anom
     return weights_finite and loss_in_bounds and not regressed and not eval_regressed, verdict
 
 
+@dataclass(frozen=True)
+class _Write:
+    """One checkpoint handed to the background writer: what its registration needs once it is written."""
+
+    step: int
+    location: Location
+    uri: str
+    meta: dict[str, Any]
+    loss: float
+    on_saved: Callable[[SavedCheckpoint], None]
+    copy_s: float
+    """The loop's time to copy the state to host memory (``HostStaging.copy``)."""
+    stall_s: float
+    """The loop's whole time in ``Checkpointer.save``: the gather, the state dict, waiting for the previous write,
+    the copy."""
+    shards: Path | None = None
+    """Strategy fsdp: the staging directory of every rank's shards, moved into the checkpoint by the write."""
+
+
+@dataclass(frozen=True)
+class _Written:
+    write: _Write
+    sha256: str
+    bytes: int
+    write_s: float
+    """The background thread's time: serialise, checksum, write, fsync, verify (and plain-process retention)."""
+
+
 class Checkpointer:
-    """Writes one attempt's checkpoints from every rank (see the module docstring for where they go)."""
+    """Writes one attempt's checkpoints from every rank (see the module docstring for where they go).
+
+    Rank 0 snapshots the state to host memory in ``save`` and writes it on its ``BackgroundWriter``; the
+    checkpoint is registered (``on_saved``, the ``checkpoint`` event, the corrupt-checkpoint fault) on the training
+    thread by ``poll`` (every step), by the next ``save`` or by ``drain`` (the attempt's end), once its write
+    returned, i.e. once it is on storage and verified. Call ``close`` when the attempt is over.
+    """
 
     def __init__(self, spec: AttemptSpec, ctx: WorkerContext, sink: EventSink | None,
                  faults: FaultInjector) -> None:
@@ -172,64 +214,98 @@ class Checkpointer:
         self.ctx = ctx
         self.sink = sink
         self.faults = faults
+        self._writer: BackgroundWriter[_Written] | None = BackgroundWriter() if ctx.is_main else None
+        self._staging = HostStaging()
 
     def save(self, step: int, state: TrainingState, *, healthy: bool, verdict: dict[str, Any], loss: float,
-             pending_update_ratio: float | None,
-             on_saved: Callable[[SavedCheckpoint], None]) -> SavedCheckpoint | None:
+             pending_update_ratio: float | None, on_saved: Callable[[SavedCheckpoint], None]) -> None:
         """Checkpoint the state after ``step`` completed steps (a collective: every rank calls it).
 
-        Rank 0 returns the checkpoint (``on_saved`` sees it before the event, the fault and retention run); the
-        other ranks return None.
+        Returns once rank 0 holds a host-memory copy of the state (after the previous write, if still in flight,
+        was registered); ``on_saved`` sees the checkpoint when it is registered.
         """
+        started = time.perf_counter()
         ctx = self.ctx
         per_rank = gather_objects({**state.rank_part(), "node": state.node_of(ctx)}, ctx)
-        name = f"step_{step:08d}"
-        saved: SavedCheckpoint | None = None
-        shards = None  # strategy fsdp: every rank writes its shards first; rank 0's write adopts them
+        shards = None  # strategy fsdp: every rank writes its shards now; rank 0's background write adopts them
         if fsdp_enabled(self.spec.recipe):
-            root = staging_root(ctx, self.spec.checkpoint_dir)
-            shards = stage_shards(state.module, state.optimizer, ctx, root)
-        if ctx.is_main:
-            progress = {"step": step, "data_offset": self.spec.data_offset, "attempt": self.spec.attempt,
-                        "world_size": ctx.world_size, "pending_update_ratio": pending_update_ratio}
-            meta = {"step": step, "healthy": healthy, "verdict": verdict, "attempt": self.spec.attempt,
-                    "run_id": self.spec.run_id, "recipe": self.spec.recipe.name,
-                    "nodes": [r["node"] for r in per_rank]}
-            parts = state.state_dict(per_rank, progress)
-            if shards is not None:
-                parts, meta["shards"] = without_sharded_parts(parts), shards_meta(ctx.world_size)
-            saved = self._write(name, parts, meta, loss, on_saved, shards)
-        elif ctx.ray_train:
-            self._report_to_ray(step, name, None, healthy, loss)
-        if not ctx.ray_train:
-            barrier(ctx)  # every rank may now read the checkpoint
-        return saved
-
-    def _write(self, name: str, state: dict[str, Any], meta: dict[str, Any], loss: float,
-               on_saved: Callable[[SavedCheckpoint], None], shards: Path | None = None) -> SavedCheckpoint:
-        ctx, step, healthy = self.ctx, int(meta["step"]), bool(meta["healthy"])
-        target_root = Path(tempfile.mkdtemp(prefix="ballast-ckpt-")) if ctx.ray_train else Path(
-            self.spec.checkpoint_dir)
-        info = save_checkpoint(target_root / name, state, meta=meta, overwrite=True,
-                               attach=None if shards is None else {SHARDS: shards})
-        uri = (f"{ctx.checkpoint_uri_prefix.rstrip('/')}/{name}" if ctx.ray_train and ctx.checkpoint_uri_prefix
-               else str(info.path))
-        saved = SavedCheckpoint(step=step, path=uri, healthy=healthy, sha256=info.sha256)
-        on_saved(saved)
-        if self.sink is not None:
-            self.sink.emit("checkpoint", {"step": step, "uri": uri, "sha256": info.sha256, "healthy": healthy,
-                                          "verdict": meta["verdict"],
-                                          "metrics": self._metrics(loss, meta["verdict"])})
-            self.sink.flush()
-        if ctx.ray_train:
-            self._report_to_ray(step, name, info.path, healthy, loss)
-            shutil.rmtree(target_root, ignore_errors=True)
-            self.faults.after_checkpoint(step, Location(uri, ctx.storage))
+            shards = stage_shards(state.module, state.optimizer, ctx, staging_root(ctx, self.spec.checkpoint_dir))
+        if self._writer is None:
+            return
+        self._register_pending()  # at most one write in flight: the staging buffers are free again
+        name = f"step_{step:08d}"
+        progress = {"step": step, "data_offset": self.spec.data_offset, "attempt": self.spec.attempt,
+                    "world_size": ctx.world_size, "pending_update_ratio": pending_update_ratio}
+        meta = {"step": step, "healthy": healthy, "verdict": verdict, "attempt": self.spec.attempt,
+                "run_id": self.spec.run_id, "recipe": self.spec.recipe.name, "nodes": [r["node"] for r in per_rank]}
+        parts = state.state_dict(per_rank, progress)
+        if shards is not None:
+            parts, meta["shards"] = without_sharded_parts(parts), shards_meta(ctx.world_size)
+        check_state(parts, meta)
+        copying = time.perf_counter()
+        snapshot = self._staging.copy(parts)
+        copied = time.perf_counter()
+        if ctx.ray_train and ctx.checkpoint_uri_prefix:
+            uri = f"{ctx.checkpoint_uri_prefix.rstrip('/')}/{name}"
+            location = Location(uri, ctx.storage)
         else:
-            self.faults.after_checkpoint(step, info.path)
+            location = Location(Path(self.spec.checkpoint_dir) / name)
+            uri = str(location.local)
+        write = _Write(step=step, location=location, uri=uri, meta=meta, loss=loss, on_saved=on_saved,
+                       copy_s=copied - copying, stall_s=time.perf_counter() - started, shards=shards)
+        self._writer.submit(lambda: self._write(write, snapshot))
+
+    def poll(self) -> None:
+        """Register the write in flight if it has finished (never waits)."""
+        if self._writer is not None and self._writer.done():
+            self._register_pending()
+
+    def drain(self) -> None:
+        """Wait for the write in flight and register it (a collective: every rank calls it, and every rank may
+        read the attempt's checkpoints afterwards)."""
+        self._register_pending()
+        barrier(self.ctx)
+
+    def close(self) -> None:
+        """End the writer thread; a write still in flight finishes but is not registered."""
+        if self._writer is not None:
+            self._writer.close()
+
+    def _write(self, write: _Write, snapshot: dict[str, Any]) -> _Written:
+        """The background part: serialise, checksum, write (the manifest last), verify; retention in a plain
+        process. Only what it returns is registered."""
+        started = time.perf_counter()
+        try:
+            encoded = encode_checkpoint(snapshot, write.meta, None if write.shards is None else {SHARDS: write.shards})
+            write_checkpoint(write.location, encoded)
+        finally:
+            if write.shards is not None:  # moved into the checkpoint (or the write failed): drop what is left
+                shutil.rmtree(write.shards, ignore_errors=True)
+        verify_checkpoint(write.location, expected_sha256=encoded.sha256)
+        if not (self.ctx.ray_train and self.ctx.checkpoint_uri_prefix):
             apply_retention(self.spec.checkpoint_dir, self.spec.recipe.checkpoint.keep,
                             self.spec.recipe.checkpoint.keep_healthy)
-        return saved
+        size = sum(len(b) for b in encoded.files.values()) + len(encoded.manifest)
+        return _Written(write=write, sha256=encoded.sha256, bytes=size, write_s=time.perf_counter() - started)
+
+    def _register_pending(self) -> None:
+        """The finished write's registration, on the training thread: the attempt's result, the ``checkpoint``
+        event (how the store learns of it), then the corrupt-checkpoint fault. A failed write raises here."""
+        if self._writer is None or not self._writer.busy:
+            return
+        done = self._writer.collect()
+        w = done.write
+        healthy = bool(w.meta["healthy"])
+        w.on_saved(SavedCheckpoint(step=w.step, path=w.uri, healthy=healthy, sha256=done.sha256))
+        if self.sink is not None:
+            verdict = w.meta["verdict"]
+            self.sink.emit("checkpoint", {
+                "step": w.step, "uri": w.uri, "sha256": done.sha256, "healthy": healthy, "verdict": verdict,
+                "metrics": self._metrics(w.loss, verdict),
+                "timing": {"stall_s": w.stall_s, "copy_s": w.copy_s, "write_s": done.write_s, "bytes": done.bytes},
+            })
+            self.sink.flush()
+        self.faults.after_checkpoint(w.step, w.location)
 
     @staticmethod
     def _metrics(loss: float, verdict: Mapping[str, Any]) -> dict[str, Any]:
@@ -238,14 +314,6 @@ class Checkpointer:
         if "eval_loss" in verdict:
             out["eval_loss"] = verdict["eval_loss"]
         return out
-
-    def _report_to_ray(self, step: int, name: str, path: Path | None, healthy: bool, loss: float) -> None:
-        """``ray.train.report`` with the checkpoint (rank 0) or without (the others): every rank must report."""
-        import ray.train
-
-        metrics = {"step": step, "healthy": healthy, "loss": finite_or_none(loss), "attempt": self.spec.attempt}
-        checkpoint = ray.train.Checkpoint.from_directory(str(path)) if path is not None else None
-        ray.train.report(metrics, checkpoint=checkpoint, checkpoint_dir_name=name)
 
 
 @contextlib.contextmanager

@@ -1,8 +1,8 @@
 """Where this process stands in its worker group, and the few collectives the loop makes.
 
-``WorkerContext`` is rank, world size, device and how checkpoints leave the process (a directory, or
-``ray.train.report``). The collectives are no-ops at world size 1, so the same loop runs in a plain process, in an
-initialised ``torch.distributed`` group and under Ray Train.
+``WorkerContext`` is rank, world size, device and where checkpoints go (the attempt's directory, or under Ray
+Train the launch's ``checkpoint_uri_prefix``). The collectives are no-ops at world size 1, so the same loop runs
+in a plain process, in an initialised ``torch.distributed`` group and under Ray Train.
 """
 
 from __future__ import annotations
@@ -26,9 +26,9 @@ class WorkerContext:
     world_size: int = 1
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
     ray_train: bool = False
-    """Report checkpoints through ``ray.train.report`` (and let Ray Train persist them)."""
+    """Running under Ray Train: checkpoints go to ``checkpoint_uri_prefix`` (Ray Train's run directory)."""
     checkpoint_uri_prefix: str | None = None
-    """Ray Train: where the reported checkpoints end up (``<prefix>/step_XXXXXXXX`` is a checkpoint's URI)."""
+    """Ray Train: where rank 0 writes checkpoints (``<prefix>/step_XXXXXXXX`` is a checkpoint's URI)."""
     storage: StorageOptions = field(default_factory=StorageOptions)
     """How to reach an object-store checkpoint URI (endpoint, keys) when resuming from one."""
     node: str = ""

@@ -4,7 +4,9 @@ Both run the same loop of attempts in one worker group: the spec's attempt, then
 hands back an in-place recovery plan (``PlanningSink.request_plan``, rank 0 only, broadcast to every rank), the
 next attempt from the plan's checkpoint with its overrides. A plain process is world size 1 or a rank of an
 already initialised ``torch.distributed`` group; under Ray Train the ranks come from the train context and
-checkpoints leave through ``ray.train.report``.
+rank 0 writes checkpoints under the launch's ``checkpoint_uri_prefix`` itself (``workers/checkpointing.py``):
+nothing goes through ``ray.train.report``. Ray Train never restarts a group (``FailureConfig(max_failures=0)``):
+a resume is the spec's ``resume_from``, chosen by the scheduler from Ballast's store.
 
 Under Ray Train a deterministic setup error (``workers.preflight.CONFIG_ERRORS``: a factory that cannot be
 imported or breaks the contract, a setting the engine refuses) is classified here: rank 0 reports it as a
@@ -105,9 +107,8 @@ def run_attempt(spec: AttemptSpec, sink: EventSink | None = None) -> AttemptOutc
 
 def train_loop_per_worker(config: dict[str, Any]) -> None:
     """Ray Train V2 entry: ``config = {"spec": AttemptSpec dict, "sink": EventSink | None,
-    "checkpoint_uri_prefix": str, "storage": StorageOptions dict}``. Checkpoints go through ``ray.train.report``
-    (rank 0 attaches them);
-    telemetry through the sink (used on rank 0 only)."""
+    "checkpoint_uri_prefix": str, "storage": StorageOptions dict}``. Rank 0 writes checkpoints to
+    ``<checkpoint_uri_prefix>/step_XXXXXXXX`` and announces them, like all telemetry, through the sink."""
     import ray.train
     import ray.train.torch
 
@@ -120,11 +121,6 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
     )
     sink = config.get("sink") if ctx.is_main else None
     try:
-        restored = ray.train.get_checkpoint()
-        if restored is not None:  # Ray Train restarted this worker group: continue from its newest checkpoint
-            with restored.as_directory() as path:
-                run_attempts(spec, ctx, sink, str(path))
-            return
         run_attempts(spec, ctx, sink, spec.resume_from)
     except CONFIG_ERRORS as exc:
         raise report_config_error(exc, spec, sink) from exc

@@ -10,7 +10,8 @@ Read it top to bottom: ``GuardedTrainer.train()`` → ``train_step()``. Each ste
    step, from which every rank derives the same ``StepSignals`` and so the same decision;
 5. the guard: detectors → ``optimizer.step()`` **only** when loss and gradients are finite on every rank and the
    decision is ``record``; ``skip_step`` and non-finite steps zero the grads; ``rollback`` ends the attempt;
-6. telemetry through the sink (rank 0 only; never blocks), checkpoints every ``checkpoint.every_steps``.
+6. telemetry through the sink (rank 0 only; never blocks), checkpoints every ``checkpoint.every_steps`` (the
+   loop pays for the copy to host memory; the write runs in the background, ``workers/checkpoint_writer.py``).
 
 With ``training.eval_interval`` the loop also evaluates the held-out loss (``_evaluate``) at the attempt's start,
 every that-many completed steps and after the last one (before that step's checkpoint, which records it, and the
@@ -38,7 +39,7 @@ from torch import Tensor, nn
 
 from contracts.checkpoint import Manifest
 from contracts.recipe import Action, DType, LossScaling
-from contracts.wire import AttemptOutcome, AttemptSpec, SavedCheckpoint, finite_or_none
+from contracts.wire import AttemptOutcome, AttemptSpec, finite_or_none
 from workers.checkpoint import load_checkpoint, rng_state, set_rng_state
 from workers.checkpointing import Checkpointer, TrainingState, health_verdict
 from workers.clipping import (
@@ -165,12 +166,27 @@ class GuardedTrainer:
 
     # ------------------------------------------------------------------------------------------ train
     def train(self) -> AttemptOutcome:
-        """Run steps until max_steps, a rollback decision, or a stop request; then emit ``end``."""
+        """Run steps until max_steps, a rollback decision, or a stop request; wait for the checkpoint write in
+        flight; then emit ``end``."""
         max_steps = self.recipe.training.max_steps
         every = self.recipe.checkpoint.every_steps
         res = self.result
+        try:
+            self._train_steps(max_steps, every)
+            self.checkpointer.drain()  # the result and the end event list only written, verified checkpoints
+        finally:
+            self.checkpointer.close()
+        res.median_grad_norm = statistics.median(self._healthy_norms) if self._healthy_norms else None
+        if self.sink is not None:
+            self.sink.emit("end", res.end_event())
+            self.sink.flush()
+        return res
+
+    def _train_steps(self, max_steps: int, every: int) -> None:
+        res = self.result
         self._evaluate_unless_done(self.start_step)
         for step in range(self.start_step, max_steps):
+            self.checkpointer.poll()  # register the background write once it is done
             report = self.train_step(step)
             if report.decision.rollback:
                 self._diverged(report)
@@ -192,11 +208,6 @@ class GuardedTrainer:
             if self._judged(verdict):
                 res.reason = f"completed {max_steps} steps; {verdict.reason}"
         self._evaluate_unless_done(res.final_step)  # an attempt that ended early: where it ended
-        res.median_grad_norm = statistics.median(self._healthy_norms) if self._healthy_norms else None
-        if self.sink is not None:
-            self.sink.emit("end", res.end_event())
-            self.sink.flush()
-        return res
 
     def train_step(self, step: int) -> StepReport:
         self.faults.before_step(step)
@@ -437,9 +448,10 @@ class GuardedTrainer:
         return False
 
     # ------------------------------------------------------------------------------------- checkpoints
-    def checkpoint(self, step: int) -> SavedCheckpoint | None:
-        """Write the full training state after ``step`` completed steps, with a health verdict (every rank
-        calls it; rank 0 returns the checkpoint)."""
+    def checkpoint(self, step: int) -> None:
+        """Checkpoint the full training state after ``step`` completed steps, with a health verdict (every rank
+        calls it). Returns once rank 0 holds a host-memory copy; the write goes on in the background and the
+        checkpoint joins ``result.checkpoints`` once written and verified."""
         summary = self.detectors.loss_summary()
         healthy, verdict = health_verdict(self.module, loss=self._last_loss,
                                           loss_in_bounds=self.detectors.loss_in_bounds(self._last_loss),
@@ -449,7 +461,7 @@ class GuardedTrainer:
                                           eval_regression_tolerance=self.recipe.success.eval_regression_tolerance)
         self._findings_since_checkpoint = 0
         pending = self._pending_update_ratio
-        return self.checkpointer.save(step, self.state, healthy=healthy, verdict=verdict, loss=self._last_loss,
+        self.checkpointer.save(step, self.state, healthy=healthy, verdict=verdict, loss=self._last_loss,
                                       pending_update_ratio=None if pending is None else float(pending),
                                       on_saved=self.result.checkpoints.append)
 

@@ -90,6 +90,63 @@ def test_retention_prunes_prefixes_in_the_bucket(bucket: Bucket, tmp_path: Path)
     assert bucket.checkpoint_prefixes() == {uris[40], uris[50]}
 
 
+def test_the_background_writer_puts_a_checkpoint_in_the_bucket_manifest_last(
+        bucket: Bucket, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Under Ray Train rank 0 writes ``<checkpoint_uri_prefix>/step_XXXXXXXX`` itself (no ``ray.train.report``):
+    the data objects first, the manifest last, and an overwrite drops the old manifest before anything else."""
+    from contracts.storage import Location
+    from contracts.wire import AttemptSpec
+    from tests.recipes import build_recipe
+    from workers.checkpoint import encode_checkpoint, write_checkpoint
+    from workers.checkpointing import Checkpointer
+    from workers.context import WorkerContext
+    from workers.faults import FaultInjector
+    from workers.sinks import ListSink
+
+    class State:
+        def rank_part(self) -> dict[str, object]:
+            return {"rng": {}, "comm_hook": {}}
+
+        @staticmethod
+        def node_of(ctx: WorkerContext) -> str:
+            return "n"
+
+        def state_dict(self, per_rank: object, progress: dict[str, object]) -> dict[str, object]:
+            return {"model": {"w": torch.full((64,), 3.0)}, "progress": progress}
+
+    recipe = build_recipe({"name": "s3-writer"})
+    prefix = f"{bucket.root}/run-1-attempt-1"
+    ctx = WorkerContext(ray_train=True, checkpoint_uri_prefix=prefix, storage=bucket.storage)
+    sink = ListSink()
+    c = Checkpointer(AttemptSpec(recipe=recipe, checkpoint_dir=str(tmp_path / "unused")), ctx, sink,
+                     FaultInjector(recipe.faults, attempt=1, rank=0))
+    c.save(10, State(), healthy=True, verdict={}, loss=1.0, pending_update_ratio=None,  # type: ignore[arg-type]
+           on_saved=lambda saved: None)
+    c.drain()
+    c.close()
+    (event,) = sink.of_type("checkpoint")
+    assert event["uri"] == f"{prefix}/step_00000010" and bucket.checkpoint_prefixes() == {event["uri"]}
+    assert verify_checkpoint(event["uri"], expected_sha256=event["sha256"], storage=bucket.storage).step == 10
+    assert not (tmp_path / "unused").exists()
+
+    puts: list[str] = []
+    where = Location(event["uri"], bucket.storage)
+    real_write = Location.write_bytes
+
+    def recording(self: Location, name: str, data: bytes) -> None:
+        puts.append(name)
+        if name != "manifest.json":  # mid-overwrite: the old manifest is already gone, the prefix is no checkpoint
+            with pytest.raises(CorruptCheckpoint):
+                read_manifest(event["uri"], storage=bucket.storage)
+        real_write(self, name, data)
+
+    encoded = encode_checkpoint({"model": {"w": torch.zeros(8)}}, {"step": 10, "healthy": False})
+    monkeypatch.setattr(Location, "write_bytes", recording)
+    write_checkpoint(where, encoded)
+    assert puts == ["model.pt", "manifest.json"]
+    assert verify_checkpoint(event["uri"], expected_sha256=encoded.sha256, storage=bucket.storage).healthy is False
+
+
 def test_settings_carry_the_endpoint_and_keys_but_never_print_the_secret(bucket: Bucket) -> None:
     settings = Settings(**bucket.settings_kwargs())
     storage = settings.checkpoint_storage()

@@ -191,6 +191,7 @@ def test_fsdp_on_two_gloo_ranks_recovers_in_place_and_resumes_at_world_size_one_
     as_ddp = GuardedTrainer(AttemptSpec(recipe=recipe("ddp"), checkpoint_dir=str(full_dir)), WorkerContext(),
                             resume_dir=ckpt)
     as_ddp.checkpoint(10)
+    as_ddp.checkpointer.drain()  # the write is in the background: wait for it (the attempt's end would)
     assert shards_of(verify_checkpoint(full_dir / "step_00000010")) is None
     from_shards = run_attempt(AttemptSpec(recipe=recipe(), checkpoint_dir=str(tmp_path / "w1-sharded"),
                                           resume_from=str(ckpt)))
