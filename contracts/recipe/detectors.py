@@ -69,9 +69,10 @@ class LossSpikeDetector(Section):
     loss; no warmup. None disables."""
     max_untrained_ratio: StrictFloat | None = Field(default=1.1, gt=1.0)
     """Fire (kind divergence, at once) when, in the first ``untrained_steps`` steps of a fresh start, the loss
-    exceeds this multiple of the *untrained* model's loss on the same batch. Before the first update the trainer
-    measures the untrained model on the batches of those steps (forward only); the comparison is paired, so batch
-    noise cancels, and a healthy run's loss on a batch is never above the untrained model's by more than a hair:
+    exceeds this multiple of the *untrained* model's loss on the same batch (and by 4 times the spread of the
+    untrained losses across batches, for a loss whose per-batch value varies a lot). Before the first update the
+    trainer measures the untrained model on the batches of those steps (forward only); the comparison is paired, so
+    the batch's difficulty cancels, and a healthy run's loss on a batch is not far above the untrained model's:
     rising above it means the updates overshot (an LR above the stability edge, the blow-up a warmup prevents),
     however fast the loss falls back afterwards. None disables."""
     untrained_steps: StrictInt = Field(default=16, ge=0, le=1024)

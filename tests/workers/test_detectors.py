@@ -621,7 +621,7 @@ def test_a_loss_above_the_untrained_model_on_its_batch_fires_at_once(seed: int, 
     """The high-LR blow-up the 1.5x initial-ratio rule misses on a low-noise loss (a 15-30% rise for 1-2 steps):
     paired with the untrained model's loss on the same batch, it is caught on the step it happens, with no
     patience."""
-    untrained = [4.2 * (1 + 0.01 * i) for i in range(16)]
+    untrained = [4.2 * (1 + 0.001 * i) for i in range(16)]  # an LM at initialisation: batches score alike
     series = edit(healthy(seed, n=60), [start], loss=lambda s: untrained[s.step] * factor)
     suite = suite_with_untrained(untrained)
     decisions = [suite.observe(s) for s in series]
@@ -646,6 +646,21 @@ def test_batch_noise_cannot_fire_the_paired_rule(seed: int, spread: float) -> No
     off = cfg_with(loss_spike={"max_initial_ratio": None})  # the unpaired rule is not what is tested here
     assert [f for f in findings([suite_with_untrained(untrained, off).observe(s) for s in series])
             if f.details.get("rule") == "worse_than_untrained"] == []
+
+
+def test_a_large_spread_of_the_untrained_losses_widens_the_margin() -> None:
+    """Where the untrained model's per-batch losses spread widely (a regression on a few samples), one batch's
+    loss moves a lot under a healthy update: the rise must then be 4 spreads, not just 10%."""
+    rng = np.random.default_rng(7)
+    untrained = [4.2 * (1 + 0.15 * float(rng.standard_normal())) for _ in range(16)]
+    spread = float(np.std(untrained, ddof=1))
+    series = edit(healthy(0, n=40), [4, 9], loss=lambda s: untrained[s.step] + (1.5 if s.step == 4 else 4.5) * spread)
+    off = cfg_with(loss_spike={"max_initial_ratio": None, "action": "record"})
+    suite = suite_with_untrained(untrained, off)
+    fired = [f for f in findings([suite.observe(s) for s in series]) if f.details.get("rule") == "worse_than_untrained"]
+    assert [f.step for f in fired] == [9]  # 1.5 spreads (> 10% here) is within the margin; 4.5 spreads is not
+    assert fired[0].threshold == pytest.approx(untrained[9] + 4 * spread)
+    assert 1.5 * spread > 0.1 * untrained[4]
 
 
 def test_the_paired_rule_covers_only_the_measured_steps_and_can_be_off() -> None:

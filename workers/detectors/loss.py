@@ -42,8 +42,12 @@ class LossSpike(Detector):
 
     The **untrained ratio** (kind ``divergence``, rule ``worse_than_untrained``) fires at once: in the first
     ``untrained_steps`` steps of a fresh start the loss is above ``max_untrained_ratio`` times the untrained
-    model's loss on the same batch (``set_untrained``: the trainer measures it before the first update). The
-    comparison is paired, so batch noise cancels and no patience or noise margin is needed; the statistics the
+    model's loss on the same batch (``set_untrained``: the trainer measures it before the first update), and by at
+    least ``NOISE_MARGIN`` times the spread of those untrained losses across batches. The comparison is paired, so
+    the batch's own difficulty cancels and no patience is needed; what does not cancel is how a healthy early
+    update, good on average, moves the loss of one particular batch, which can be large where the per-batch loss
+    varies a lot (a regression on a few samples, a deep residual MLP at initialisation): the spread of the
+    untrained losses is that scale, measured before any update, so no blow-up can inflate it. The statistics the
     other rules judge against were never exposed to the blow-up, because it is caught where it happens.
 
     The other four share one patience run; the finding names the first that holds, in this order:
@@ -110,11 +114,14 @@ class LossSpike(Detector):
         self.untrained: list[float] = []
         """The untrained model's loss on the batches of steps 0, 1, ... of a fresh start (empty: not measured)."""
         self.untrained_run = Streak()
+        self._untrained_spread = 0.0
+        """Standard deviation of the finite untrained losses: the batch-to-batch scale of the paired rule."""
 
     def set_untrained(self, losses: list[float]) -> None:
         """The untrained model's loss per step of a fresh start (the trainer measures it before the first update);
         only as many as ``untrained_steps`` are kept."""
         self.untrained = [float(x) for x in losses[: self.cfg.untrained_steps]]
+        self._untrained_spread = _spread(self.untrained)
 
     def _untrained_limit(self, step: int) -> float | None:
         """The loss above which the untrained-ratio rule holds at ``step``; None where it cannot fire."""
@@ -122,7 +129,9 @@ class LossSpike(Detector):
         if ratio is None or not 0 <= step < len(self.untrained):
             return None
         base = self.untrained[step]
-        return ratio * base if math.isfinite(base) and base > 0.0 else None
+        if not (math.isfinite(base) and base > 0.0):
+            return None
+        return base + max((ratio - 1.0) * base, NOISE_MARGIN * self._untrained_spread)
 
     def _std(self) -> float:
         return max(self.ema.std, LOSS_STD_FLOOR * abs(self.ema.mean), 1e-12)
@@ -277,6 +286,7 @@ class LossSpike(Detector):
             self.initial = None if d["initial"] is None else float(d["initial"])
             self.initial_n, self.initial_seen = int(d["initial_n"]), int(d["initial_seen"])
             self.untrained = [math.nan if x is None else float(x) for x in d.get("untrained") or []]
+            self._untrained_spread = _spread(self.untrained)
             if "untrained_run" in d:
                 self.untrained_run.load(d["untrained_run"])
             first = d.get("first_loss")
@@ -289,3 +299,12 @@ class LossSpike(Detector):
             # state saved before the initial-loss rules existed: that run's initial loss is unknown and the losses
             # after the resume are not it, so both rules stay off for the rest of the run
             self.initial, self.initial_n, self.initial_seen = None, 0, INITIAL_LOSS_STEPS
+
+
+def _spread(values: list[float]) -> float:
+    """Sample standard deviation of the finite values (0 with fewer than two)."""
+    finite = [x for x in values if math.isfinite(x)]
+    if len(finite) < 2:
+        return 0.0
+    mean = sum(finite) / len(finite)
+    return math.sqrt(sum((x - mean) ** 2 for x in finite) / (len(finite) - 1))
