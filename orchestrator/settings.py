@@ -109,6 +109,18 @@ class Settings(BaseSettings):
         "how long it may take (including a `code` runtime env's setup) before the attempt starts anyway. 0 turns "
         "the probe off.",
     )
+    preflight_builtin_recipes: bool = Field(
+        default=False,
+        description="Probe a recipe that uses only the built-in models and synthetic data and ships no `code` too. "
+        "Off: such a recipe starts its worker group at once (one process spawn and torch import sooner); a setup "
+        "error of its own (a model size the engine refuses) is still a `config_error`, found by the workers.",
+    )
+    ray_preload_modules: list[str] = Field(
+        default_factory=lambda: ["torch", "ray.train.torch", "workers.entry"],
+        description="Modules a local Ray's worker processes import before they take work (Ray's "
+        "`preload_python_modules`): a channel actor or probe that gets one of Ray's prestarted workers starts with "
+        "torch loaded. Local Ray only (a cluster's own `ray start` decides there); [] turns it off.",
+    )
     runtime_env: dict[str, Any] = Field(
         default_factory=dict,
         description="The operator's Ray `runtime_env` (JSON) for every worker group and preflight probe; a "
