@@ -104,7 +104,8 @@ class Settings(BaseSettings):
     )
     preflight_timeout_seconds: float = Field(
         default=300.0, ge=0, le=3600,
-        description="Before a run's first attempt, a small Ray task imports its factories, builds rank 0's data "
+        description="Before a run's first attempt (of a recipe with user code or outside data, unless "
+        "BALLAST_PREFLIGHT_BUILTIN_RECIPES), a small Ray task imports its factories, builds rank 0's data "
         "and model and runs one forward, so a recipe that cannot run fails in seconds as `config_error`; this is "
         "how long it may take (including a `code` runtime env's setup) before the attempt starts anyway. 0 turns "
         "the probe off.",
