@@ -135,6 +135,7 @@ class RunChannel:
         self._thread: threading.Thread | None = None
         self._dropped_metrics = 0
         self._placement_groups: list[Any] = []
+        self._marks: dict[str, float] = {"channel_up": time.time()}
 
     # ----------------------------------------------------------------------------------- worker side
     def push(self, batch: list[dict[str, Any]]) -> None:
@@ -159,6 +160,11 @@ class RunChannel:
         pg = info.get("placement_group")
         if pg is not None and all(p.id != pg.id for p in self._placement_groups):
             self._placement_groups.append(pg)
+
+    def add_marks(self, marks: Mapping[str, float]) -> None:
+        """Fire-and-forget from rank 0: start-up timing marks (wall-clock seconds), kept once per name."""
+        for name, ts in marks.items():
+            self._marks.setdefault(str(name), float(ts))
 
     def request_plan(self, attempt: int, end: Mapping[str, Any]) -> None:
         """Rank 0 of a diverged attempt asks for an in-place plan (then polls ``get_plan``)."""
@@ -192,6 +198,7 @@ class RunChannel:
             "fit": dict(self._fit),
             "stop": self._stop,
             "dropped_metrics": self._dropped_metrics,
+            "marks": dict(self._marks),
         }
 
     def request_stop(self) -> None:
@@ -202,6 +209,11 @@ class RunChannel:
 
     def fit_status(self) -> dict[str, Any]:
         return dict(self._fit)
+
+    def marks(self) -> dict[str, float]:
+        """The worker group's start-up timing marks, wall-clock seconds by name (``benchmarks/bench_start.py``
+        lists them): the channel's own and rank 0's (``workers.entry.start_marker``). Also in every ``poll``."""
+        return dict(self._marks)
 
     def placement_groups(self) -> list[Any]:
         return list(self._placement_groups)
@@ -219,12 +231,17 @@ class RunChannel:
         self._thread.start()
 
     def _run_fit(self, launch: dict[str, Any], handle: Any) -> None:
+        self._marks.setdefault("fit_thread", time.time())
         if launch.get("preflight"):
+            self._marks.setdefault("preflight_start", time.time())
+            # the probe runs in a process of its own: import what the trainer needs meanwhile (nothing is built)
+            threading.Thread(target=import_trainer, args=(launch,), name="ballast-imports", daemon=True).start()
             try:
                 result = run_preflight(launch)
             except Exception as exc:  # noqa: BLE001 - a broken probe must never keep the fit from starting
                 result = {"status": PREFLIGHT_INCONCLUSIVE, "seconds": None, "error": _format_error(exc)}
             self._fit = {**self._fit, "preflight": result}
+            self._marks.setdefault("preflight_done", time.time())
             if result["status"] == PREFLIGHT_CONFIG_ERROR:
                 self._fit = {"state": "failed", "error": result["error"], "config_error": result["error"],
                              "stage": "preflight", "preflight": result, "ended": time.time()}
@@ -285,9 +302,30 @@ def run_preflight(launch: Mapping[str, Any]) -> dict[str, Any]:
             "error": result.get("error")}
 
 
+def import_trainer(launch: Mapping[str, Any]) -> Any:
+    """Import Ray Train's ``TorchTrainer`` and the launch's train function (torch with them); returns the function.
+    The channel does it while the preflight probe runs, so the trainer's start does not wait for the imports; never
+    raises there (the trainer's own import reports a failure)."""
+    try:
+        import ray.train.torch  # noqa: F401 - the import is the point
+
+        module, _, func = str(launch.get("train_fn") or DEFAULT_TRAIN_FN).partition(":")
+        return getattr(importlib.import_module(module), func)
+    except Exception:  # noqa: BLE001 - run_torch_trainer imports again and fails the fit with the error
+        return None
+
+
+def _mark(channel: Any, name: str) -> None:
+    """A start-up timing mark on ``channel`` (this actor, from its fit thread: fire-and-forget)."""
+    add = getattr(channel, "add_marks", None)
+    if add is not None:
+        add.remote({name: time.time()})
+
+
 def run_torch_trainer(launch: Mapping[str, Any], channel: Any) -> None:
     """One worker group: a Ray Train ``TorchTrainer`` for ``launch`` (built by the scheduler), reporting to
-    ``channel``. Ray Train's own retries are off: a failure is an attempt outcome the recovery policy handles."""
+    ``channel``. Ray Train's own retries are off: a failure is an attempt outcome the recovery policy handles.
+    Marks ``train_imported`` and ``fit_called`` on the channel."""
     from ray.train import FailureConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchConfig, TorchTrainer
 
@@ -296,6 +334,7 @@ def run_torch_trainer(launch: Mapping[str, Any], channel: Any) -> None:
 
     module, _, func = str(launch.get("train_fn") or DEFAULT_TRAIN_FN).partition(":")
     train_loop_per_worker = getattr(importlib.import_module(module), func)
+    _mark(channel, "train_imported")
 
     # an object-store root: Ray Train keeps its own files there through the filesystem Ballast's workers write
     # checkpoints with (rank 0 writes them itself, workers/checkpointing.py)
@@ -313,6 +352,7 @@ def run_torch_trainer(launch: Mapping[str, Any], channel: Any) -> None:
             "sink": ActorSink(channel, attempt=int(launch["attempt"])),
             "checkpoint_uri_prefix": launch["checkpoint_uri_prefix"],
             "storage": launch.get("storage") or {},
+            "marks": channel,
         },
         torch_config=TorchConfig(timeout_s=collective_timeout_s(step_timeout_of(launch))),
         scaling_config=ScalingConfig(
@@ -327,6 +367,7 @@ def run_torch_trainer(launch: Mapping[str, Any], channel: Any) -> None:
             failure_config=FailureConfig(max_failures=0),
         ),
     )
+    _mark(channel, "fit_called")
     trainer.fit()
 
 

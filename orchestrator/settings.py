@@ -104,10 +104,23 @@ class Settings(BaseSettings):
     )
     preflight_timeout_seconds: float = Field(
         default=300.0, ge=0, le=3600,
-        description="Before a run's first attempt, a small Ray task imports its factories, builds rank 0's data "
+        description="Before a run's first attempt (of a recipe with user code or outside data, unless "
+        "BALLAST_PREFLIGHT_BUILTIN_RECIPES), a small Ray task imports its factories, builds rank 0's data "
         "and model and runs one forward, so a recipe that cannot run fails in seconds as `config_error`; this is "
         "how long it may take (including a `code` runtime env's setup) before the attempt starts anyway. 0 turns "
         "the probe off.",
+    )
+    preflight_builtin_recipes: bool = Field(
+        default=False,
+        description="Probe a recipe that uses only the built-in models and synthetic data and ships no `code` too. "
+        "Off: such a recipe starts its worker group at once (one process spawn and torch import sooner); a setup "
+        "error of its own (a model size the engine refuses) is still a `config_error`, found by the workers.",
+    )
+    ray_preload_modules: list[str] = Field(
+        default_factory=lambda: ["torch", "ray.train.torch", "workers.entry"],
+        description="Modules a local Ray's worker processes import before they take work (Ray's "
+        "`preload_python_modules`): a channel actor or probe that gets one of Ray's prestarted workers starts with "
+        "torch loaded. Local Ray only (a cluster's own `ray start` decides there); [] turns it off.",
     )
     runtime_env: dict[str, Any] = Field(
         default_factory=dict,

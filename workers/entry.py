@@ -17,7 +17,8 @@ train``) lets the original exception through.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import time
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -66,10 +67,16 @@ def compute_threads(spec: AttemptSpec) -> int:
     return max(1, int(spec.recipe.resources.cpus_per_worker))
 
 
-def run_attempts(spec: AttemptSpec, ctx: WorkerContext, sink: EventSink | None, resume: str | None) -> AttemptOutcome:
+Marker = Callable[[str], None]
+"""Records a start-up timing mark by name (rank 0 under Ray Train: ``RunChannel.add_marks``)."""
+
+
+def run_attempts(spec: AttemptSpec, ctx: WorkerContext, sink: EventSink | None, resume: str | None,
+                 mark: Marker | None = None) -> AttemptOutcome:
     """Run attempts in this worker group: the spec's, then any in-place recovery plan the sink hands back.
 
-    Returns the last attempt's outcome, with the earlier ones in ``previous``.
+    Returns the last attempt's outcome, with the earlier ones in ``previous``. ``mark("setup_done")`` is called
+    once the first attempt's trainer (data, model, optimizer, resume) is built.
     """
     deterministic_before = torch.are_deterministic_algorithms_enabled()
     threads_before = torch.get_num_threads()
@@ -81,6 +88,9 @@ def run_attempts(spec: AttemptSpec, ctx: WorkerContext, sink: EventSink | None, 
             attempt_sink = sink if export is None else export.tee(sink, spec, resume)
             with materialize(resume, ctx.storage) as resume_dir:
                 trainer = GuardedTrainer(spec, ctx, attempt_sink, resume_dir=resume_dir)
+            if mark is not None:
+                mark("setup_done")
+                mark = None
             result = trainer.train()
             plan = None
             if result.outcome == "diverged" and spec.recipe.recovery.in_place:
@@ -112,6 +122,7 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
     import ray.train
     import ray.train.torch
 
+    entered = time.time()
     spec = AttemptSpec.from_dict(config["spec"])
     tc = ray.train.get_context()
     ctx = WorkerContext(
@@ -120,10 +131,33 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
         storage=StorageOptions.from_dict(config.get("storage")), node=ray.get_runtime_context().get_node_id(),
     )
     sink = config.get("sink") if ctx.is_main else None
+    mark = start_marker(config.get("marks") if ctx.is_main else None, entered)
     try:
-        run_attempts(spec, ctx, sink, spec.resume_from)
+        run_attempts(spec, ctx, sink, spec.resume_from, mark)
     except CONFIG_ERRORS as exc:
         raise report_config_error(exc, spec, sink) from exc
+
+
+def start_marker(channel: Any, entered: float) -> Marker | None:
+    """Rank 0's start-up timing marks, sent fire-and-forget to the run's channel actor: ``worker_process`` (when
+    this process was created), ``train_loop`` (``entered``: this function was called) and later names by
+    ``mark(name)``. None without a channel (other ranks, tests)."""
+    add = getattr(channel, "add_marks", None)
+    if add is None:
+        return None
+    marks = {"train_loop": entered}
+    try:
+        import psutil  # Ray's own dependency; the mark is skipped without it
+
+        marks["worker_process"] = psutil.Process().create_time()
+    except ImportError:
+        pass
+    add.remote(marks)
+
+    def mark(name: str) -> None:
+        add.remote({name: time.time()})
+
+    return mark
 
 
 def report_config_error(exc: Exception, spec: AttemptSpec, sink: EventSink | None) -> SetupConfigError:

@@ -73,8 +73,12 @@ class RayLauncher:
         else:
             # address="local": a Ray of our own, never one a stray `ray start` left on this host (plain ray.init()
             # attaches to that, and then refuses num_cpus)
+            # the preloaded modules make Ray's prestarted workers warm: see Settings.ray_preload_modules
+            system: dict[str, Any] = {}
+            if self.settings.ray_preload_modules:
+                system["preload_python_modules"] = list(self.settings.ray_preload_modules)
             ray.init(address="local", num_cpus=self.settings.ray_num_cpus, namespace=NAMESPACE,
-                     include_dashboard=False, log_to_driver=False)
+                     include_dashboard=False, log_to_driver=False, _system_config=system)
             self._owns_ray = True
 
     def shutdown(self) -> None:

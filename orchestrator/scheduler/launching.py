@@ -16,7 +16,7 @@ from typing import Any
 
 from sqlalchemy.orm import Session
 
-from contracts.recipe import RecipeError, admitted_modules
+from contracts.recipe import Recipe, RecipeError, admitted_modules, named_modules
 from contracts.storage import StorageOptions
 from contracts.wire import AttemptSpec, one_line
 from orchestrator.channel import NAMESPACE
@@ -76,6 +76,21 @@ PREFLIGHT_KINDS = frozenset({"initial", "manual"})
 fixed, or the cluster's code changed)."""
 
 
+BUILTIN_MODELS = frozenset({"tiny_gpt", "deep_mlp", "rnn", "linear"})
+BUILTIN_DATA = frozenset({"markov", "regression", "sequence"})
+"""Models and data sources that are Ballast's own code and need nothing outside the recipe: no factory to import,
+no dataset or file to read. A recipe made only of these, shipping no ``code``, has nothing a probe could find that
+the workers' own setup does not classify as a config error as well."""
+
+
+def needs_preflight(recipe: Recipe) -> bool:
+    """Whether the recipe's setup depends on anything outside Ballast: user code (a factory, the ``code`` section),
+    a dataset, a pretrained model, a tokens file, a custom loss. Only those are probed before the worker group (unless
+    ``preflight_builtin_recipes``); the probe would cost a built-in recipe a process spawn and a torch import."""
+    return (recipe.code.shipped or recipe.model.name not in BUILTIN_MODELS
+            or recipe.data.name not in BUILTIN_DATA or bool(named_modules(recipe.model_dump(mode="json"))))
+
+
 def launch(ctx: Context, run_id: int, number: int) -> None:
     """Start a worker group for the run's pending attempt ``number`` (committing the names first)."""
     try:
@@ -133,7 +148,8 @@ def _prepare(ctx: Context, s: Session, run_id: int, number: int) -> tuple[str, d
     if runtime_env:
         doc["runtime_env"] = runtime_env
     timeout = ctx.settings.preflight_timeout_seconds
-    if timeout > 0 and attempt.kind in PREFLIGHT_KINDS:
+    if timeout > 0 and attempt.kind in PREFLIGHT_KINDS and (
+            ctx.settings.preflight_builtin_recipes or needs_preflight(recipe)):
         doc["preflight"] = {"timeout_s": timeout, "num_cpus": min(1.0, float(res.cpus_per_worker))}
     if ctx.train_fn:
         doc["train_fn"] = ctx.train_fn

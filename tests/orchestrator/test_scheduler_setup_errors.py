@@ -11,9 +11,12 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import pytest
 import sqlalchemy as sa
 from sqlalchemy.orm import Session, sessionmaker
 
+from contracts.recipe import validate_recipe_data
+from orchestrator.scheduler.launching import needs_preflight
 from orchestrator.store.db import transaction
 from orchestrator.store.models import Event, Run
 from orchestrator.store.repo import request_retry
@@ -38,6 +41,39 @@ def _assert_failed_as_config_error(factory: sessionmaker[Session], run_id: int, 
     assert run.claimed_by is None
     failed = [e for e in _run_log(factory, run_id) if e.entity == "run" and e.to_state == "failed"]
     assert [e.data.get("failure_kind") for e in failed] == ["config_error"]
+
+
+@pytest.fixture
+def make_scheduler(make_scheduler: Any) -> Any:
+    """Schedulers that probe built-in recipes too (``preflight_builtin_recipes``): these tests' recipes are the
+    built-in minimal one, and the channel's probe is what they script."""
+    def make(scheduler_id: str = "sched-a", **kw: Any) -> Any:
+        return make_scheduler(scheduler_id, **{"preflight_builtin_recipes": True, **kw})
+
+    return make
+
+
+def test_only_a_recipe_that_depends_on_outside_code_is_probed_by_default(
+    session_factory: sessionmaker[Session], make_scheduler: Any, launcher: FakeLauncher, tmp_path: Path
+) -> None:
+    (tmp_path / "pkg").mkdir()
+    builtin = submit(session_factory)
+    shipped = submit(session_factory, recipe_doc(code={"py_modules": [str(tmp_path / "pkg")]}))
+    make_scheduler(preflight_builtin_recipes=False).tick()
+    assert "preflight" not in launcher.of_run(builtin)[0].launch  # its workers classify a setup error themselves
+    assert launcher.of_run(shipped)[0].launch["preflight"]["timeout_s"] > 0
+
+
+@pytest.mark.parametrize(("sections", "probed"), [
+    ({}, False),
+    ({"model": {"name": "deep_mlp"}, "data": {"name": "regression"}}, False),
+    ({"model": {"name": "custom", "factory": "mylab.models:make"}}, True),
+    ({"data": {"name": "custom", "factory": "mylab.data:make"}}, True),
+    ({"code": {"py_modules": ["s3://bucket/pkg.zip"]}}, True),
+], ids=["tiny-gpt-markov", "mlp-regression", "custom-model", "custom-data", "shipped-code"])
+def test_needs_preflight(sections: dict[str, Any], probed: bool) -> None:
+    recipe = validate_recipe_data({"name": "t", **sections}, allowed_import_modules=["mylab"])
+    assert needs_preflight(recipe) is probed
 
 
 def test_the_first_launch_asks_for_a_preflight_and_a_retry_does_not(
