@@ -16,7 +16,8 @@ from typing import Any
 
 from sqlalchemy.orm import Session
 
-from contracts.recipe import Recipe, RecipeError, admitted_modules, named_modules
+from contracts.recipe import BUILTIN_MODELS, Recipe, RecipeError, admitted_modules, named_modules
+from contracts.recipe.data import COMPATIBLE_DATA
 from contracts.storage import StorageOptions
 from contracts.wire import AttemptSpec, one_line
 from orchestrator.channel import NAMESPACE
@@ -76,11 +77,11 @@ PREFLIGHT_KINDS = frozenset({"initial", "manual"})
 fixed, or the cluster's code changed)."""
 
 
-BUILTIN_MODELS = frozenset({"tiny_gpt", "deep_mlp", "rnn", "linear"})
-BUILTIN_DATA = frozenset({"markov", "regression", "sequence"})
-"""Models and data sources that are Ballast's own code and need nothing outside the recipe: no factory to import,
-no dataset or file to read. A recipe made only of these, shipping no ``code``, has nothing a probe could find that
-the workers' own setup does not classify as a config error as well."""
+BUILTIN_DATA = frozenset(name for model in BUILTIN_MODELS for name in COMPATIBLE_DATA[model])
+"""The synthetic data of the built-in models (contracts' pairings). With ``BUILTIN_MODELS``: Ballast's own code,
+needing nothing outside the recipe (no factory to import, no dataset or file to read). A recipe made only of these,
+shipping no ``code``, has nothing a probe could find that the workers' own setup does not classify as a config error
+as well."""
 
 
 def needs_preflight(recipe: Recipe) -> bool:
