@@ -8,9 +8,10 @@
 4. **execute** what the workers must be told (plan answers, stop, kill), remove retired checkpoint directories
    and launch the next worker group, so a scheduler that dies in between leaves a state the next one can finish.
 
-All the groups of a tick share one transaction (``service_all``): the runs and their attempts loaded in one query,
-every group's events written with one statement per table (``ingest_many``), one commit. With 100 groups that is
-a handful of round trips per tick instead of ~11 per group. A run whose effects fail (a bug, a bad event) must not
+The groups of a tick share a transaction (``service_all``; one per ``TRANSACTION_EVENTS`` events): the runs and
+their attempts loaded in one query, every group's events written with one statement per table (``ingest_many``),
+one commit. With 100 groups that is a handful of round trips per tick instead of ~11 per group; the channels are
+polled a few at a time (``POLL_THREADS``). A run whose effects fail (a bug, a bad event) must not
 hold the others back: the shared transaction is then rolled back and each group serviced again in a transaction of
 its own, from the same drained data (nothing was acked, so nothing is lost or doubled), and the one that fails is
 logged alone.
@@ -90,14 +91,30 @@ def service(ctx: Context, ex: Execution) -> None:
     service_all(ctx, [ex])
 
 
+TRANSACTION_EVENTS = 5000
+"""Events per shared transaction, about: the groups of a tick are committed in chunks of this many events (a
+group's events are never split), so a tick that drained a backlog makes its events visible chunk by chunk, not all
+at its very end; a few thousand events are plenty to spread a transaction's round trips over."""
+
+
 def service_all(ctx: Context, executions: Sequence[Execution]) -> None:
-    """Drain these worker groups into the store in one transaction and act on what happened (see above).
+    """Drain these worker groups into the store, in shared transactions, and act on what happened (see above).
 
     A database outage propagates (the whole tick failed); any other error is one group's, logged, and the others
     go on."""
-    drained = _drain_all(ctx, executions)
-    if not drained:
-        return
+    chunk: list[_Drained] = []
+    size = 0
+    for d in _drain_all(ctx, executions):
+        chunk.append(d)
+        size += len(d.polled.get("events") or ())
+        if size >= TRANSACTION_EVENTS:
+            _service_chunk(ctx, chunk)
+            chunk, size = [], 0
+    if chunk:
+        _service_chunk(ctx, chunk)
+
+
+def _service_chunk(ctx: Context, drained: Sequence[_Drained]) -> None:
     together = _effects_together(ctx, drained) if len(drained) > 1 else None
     if together is None:  # one group, or the shared transaction failed: each group commits and executes alone
         for d in drained:

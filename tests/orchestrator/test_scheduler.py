@@ -460,13 +460,16 @@ def test_anomalies_reach_the_store(
 
 
 # --------------------------------------------------------------------------------- one transaction per tick
+@pytest.mark.parametrize("chunk", [5000, 5], ids=["one-transaction", "chunks"])
 def test_a_tick_stores_every_runs_events_and_a_bad_run_does_not_hold_the_others_back(
     session_factory: sessionmaker[Session], make_scheduler: Any, launcher: FakeLauncher,
-    caplog: pytest.LogCaptureFixture,
+    caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch, chunk: int,
 ) -> None:
-    """All runs' events of a tick go in together; when one run's events cannot be stored (an event names its
-    attempt as "x"), the tick's shared transaction is rolled back and each run serviced again on its own: the
-    good runs' events are stored exactly once, the bad run's error is logged, and its events wait in the channel."""
+    """All runs' events of a tick go in together (or in chunks of about ``TRANSACTION_EVENTS``); when one run's
+    events cannot be stored (an event names its attempt as "x"), its shared transaction is rolled back and each run
+    serviced again on its own: the good runs' events are stored exactly once, the bad run's error is logged, and
+    its events wait in the channel."""
+    monkeypatch.setattr(service_mod, "TRANSACTION_EVENTS", chunk)
     runs = [submit(session_factory) for _ in range(3)]
     scheduler = make_scheduler(max_concurrent_runs=3)
     scheduler.tick()  # claims and launches all three
