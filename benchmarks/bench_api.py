@@ -17,9 +17,14 @@ each row has the CPU time per request of the server processes, of the PostgreSQL
 database and of the load generator: steadier than req/s on a shared machine, and together they say how many
 requests a second the machine's cores can carry at all.
 
+With ``--before-commit C`` the app as it was at commit ``C`` (exported with ``git archive`` and served from the same
+venv and database) is measured too, in the same run, between the bare endpoint and this tree's app; ``--rounds N``
+repeats the whole sequence, interleaved.
+
 Usage: ``python benchmarks/bench_api.py [--get N] [--post N] [--concurrency C] [--workers W] [--loop L] [--http H]
-[--json]``. ``--loop``/``--http`` default to uvicorn's ``auto`` (uvloop and httptools, installed with
-``uvicorn[standard]``, as ``ballast serve`` uses them); ``--loop asyncio --http h11`` gives the pure-Python stack.
+[--before-commit C] [--rounds N] [--json]``. ``--loop``/``--http`` default to uvicorn's ``auto`` (uvloop and
+httptools, installed with ``uvicorn[standard]``, as ``ballast serve`` uses them); ``--loop asyncio --http h11``
+gives the pure-Python stack.
 Needs the PostgreSQL server of the tests (``BALLAST_TEST_PG_URL``, default ``postgres@127.0.0.1:5432``).
 """
 
@@ -33,6 +38,7 @@ import socket
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -41,7 +47,9 @@ from pathlib import Path
 from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
+TREE = Path(os.environ.get("BALLAST_BENCH_TREE") or REPO)
+"""The tree whose app is served (``--before-commit`` serves an exported older tree beside this one)."""
+sys.path.insert(0, str(TREE))
 
 import sqlalchemy as sa  # noqa: E402
 from fastapi import FastAPI  # noqa: E402
@@ -155,12 +163,14 @@ def backend_pids(url: str) -> list[int]:
 
 
 @contextmanager
-def uvicorn(factory: str, env: dict[str, str], workers: int, loop: str, http: str) -> Iterator[tuple[int, int]]:
+def uvicorn(factory: str, env: dict[str, str], workers: int, loop: str, http: str,
+            tree: Path = REPO) -> Iterator[tuple[int, int]]:
     port = free_port()
     cmd = [sys.executable, "-m", "uvicorn", "--factory", factory, "--app-dir", str(REPO / "benchmarks"),
            "--host", "127.0.0.1", "--port", str(port), "--workers", str(workers), "--no-access-log",
            "--log-level", "warning", "--loop", loop, "--http", http]
-    proc = subprocess.Popen(cmd, cwd=REPO, env={**os.environ, **env, "PYTHONPATH": str(REPO)})
+    proc = subprocess.Popen(cmd, cwd=tree, env={**os.environ, **env, "PYTHONPATH": str(tree),
+                                                "BALLAST_BENCH_TREE": str(tree)})
     try:
         deadline = time.monotonic() + 60
         while True:
@@ -285,6 +295,36 @@ def server_stack(loop: str, http: str) -> str:
 
 
 # ------------------------------------------------------------------------------------------------------ main
+def export_tree(commit: str, into: Path) -> Path:
+    """The repository's files at ``commit`` in ``into`` (``git archive``)."""
+    archive = subprocess.run(["git", "-C", str(REPO), "archive", commit], check=True, capture_output=True).stdout
+    subprocess.run(["tar", "-x", "-C", str(into)], input=archive, check=True)
+    return into
+
+
+def run_targets(url: str, args: argparse.Namespace, before: Path | None) -> list[tuple[str, Result]]:
+    token, run_id = prepare(url)
+    auth = {"Authorization": f"Bearer {token}"}
+    json_headers = {"Content-Type": "application/json"}
+    body = json.dumps(RECIPE).encode()
+    env = {"BALLAST_DATABASE_URL": url, "BALLAST_AUTH_MODE": "token", "BALLAST_TOKEN_PEPPER": PEPPER}
+    get = request_bytes("GET", f"/api/v1/runs/{run_id}", auth)
+    post = request_bytes("POST", "/api/v1/runs", {**auth, **json_headers}, body)
+    out: list[tuple[str, Result]] = []
+    for _ in range(args.rounds):
+        with uvicorn("bench_api:bare_app", {}, args.workers, args.loop, args.http) as server:
+            out.append(("bare GET", measure(server, request_bytes("GET", f"/bare/{run_id}", {}), args.get,
+                                            args.concurrency)))
+            out.append(("bare POST", measure(server, request_bytes("POST", "/bare", json_headers, body), args.post,
+                                             args.concurrency)))
+        trees = ([("before", before)] if before is not None else []) + [("ballast", REPO)]
+        for name, tree in trees:
+            with uvicorn("bench_api:ballast_app", env, args.workers, args.loop, args.http, tree) as server:
+                out.append((f"{name} GET", measure(server, get, args.get, args.concurrency, url)))
+                out.append((f"{name} POST", measure(server, post, args.post, args.concurrency, url)))
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--get", type=int, default=5000, help="GET requests per target")
@@ -293,30 +333,16 @@ def main() -> None:
     ap.add_argument("--workers", type=int, default=1, help="uvicorn worker processes")
     ap.add_argument("--loop", default="auto", choices=["auto", "asyncio", "uvloop"], help="uvicorn event loop")
     ap.add_argument("--http", default="auto", choices=["auto", "h11", "httptools"], help="uvicorn HTTP parser")
+    ap.add_argument("--before-commit", default=None, help="also serve the app as it was at this commit")
+    ap.add_argument("--rounds", type=int, default=1, help="repeat the whole sequence this many times")
     ap.add_argument("--json", action="store_true", help="print raw results as JSON")
     args = ap.parse_args()
 
-    body = json.dumps(RECIPE).encode()
     rows: list[dict[str, Any]] = []
-    with pg_database("ballast_bench") as url:
-        token, run_id = prepare(url)
-        auth = {"Authorization": f"Bearer {token}"}
-        json_headers = {"Content-Type": "application/json"}
-        env = {"BALLAST_DATABASE_URL": url, "BALLAST_AUTH_MODE": "token", "BALLAST_TOKEN_PEPPER": PEPPER}
-        results: dict[str, Result] = {}
-        with uvicorn("bench_api:bare_app", {}, args.workers, args.loop, args.http) as server:
-            results["bare GET"] = measure(server, request_bytes("GET", f"/bare/{run_id}", {}), args.get,
-                                          args.concurrency)
-            results["bare POST"] = measure(server, request_bytes("POST", "/bare", json_headers, body), args.post,
-                                           args.concurrency)
-        with uvicorn("bench_api:ballast_app", env, args.workers, args.loop, args.http) as server:
-            results["ballast GET"] = measure(server, request_bytes("GET", f"/api/v1/runs/{run_id}", auth), args.get,
-                                             args.concurrency, url)
-            results["ballast POST"] = measure(
-                server, request_bytes("POST", "/api/v1/runs", {**auth, **json_headers}, body), args.post,
-                args.concurrency, url,
-            )
-    for name, r in results.items():
+    with pg_database("ballast_bench") as url, tempfile.TemporaryDirectory(prefix="bench-api-before-") as tmp:
+        before = export_tree(args.before_commit, Path(tmp)) if args.before_commit else None
+        measured = run_targets(url, args, before)
+    for name, r in measured:
         rows.append({"target": name, "requests": r.requests, "rps": round(r.rps, 1), "p50_ms": round(r.pct(0.5), 2),
                      "p99_ms": round(r.pct(0.99), 2), "mean_ms": round(statistics.fmean(r.latencies) * 1000, 2),
                      "server_cpu_ms": round(r.cpu_ms, 3),
@@ -329,20 +355,26 @@ def main() -> None:
         return
     print(f"{args.concurrency} concurrent keep-alive connections, uvicorn --workers {args.workers} ({stack}), "
           f"PostgreSQL\n")
-    print("| endpoint | Ballast req/s | p50 / p99 (ms) | CPU/req: server + PostgreSQL + client | bare FastAPI req/s | "
-          "p50 / p99 (ms) | CPU/req: server + client | Ballast / bare req/s |")
-    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
-    for verb, path in (("GET", "GET /api/v1/runs/{id}"), ("POST", "POST /api/v1/runs")):
-        b, x = results[f"ballast {verb}"], results[f"bare {verb}"]
-        db = "n/a" if b.db_cpu_ms is None else f"{b.db_cpu_ms:.2f}"
-        print(f"| `{path}` | {b.rps:,.0f} | {b.pct(0.5):.1f} / {b.pct(0.99):.1f} | "
-              f"{b.cpu_ms:.2f} + {db} + {b.client_cpu_ms:.2f} ms | {x.rps:,.0f} | "
-              f"{x.pct(0.5):.1f} / {x.pct(0.99):.1f} | {x.cpu_ms:.2f} + {x.client_cpu_ms:.2f} ms | "
-              f"{b.rps / x.rps:.2f} |")
-    if any(results[f"ballast {verb}"].db_cpu is None for verb in ("GET", "POST")):
+    print("| round | app | endpoint | req/s | p50 / p99 (ms) | CPU/req: server + PostgreSQL + client | bare FastAPI "
+          "req/s | p50 / p99 (ms) | CPU/req: server + client | app / bare req/s | app / bare p99 |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    per_round = len(measured) // args.rounds
+    for k in range(args.rounds):
+        results = dict(measured[k * per_round:(k + 1) * per_round])
+        apps = [a for a in ("before", "ballast") if f"{a} GET" in results]
+        for app in apps:
+            for verb, path in (("GET", "GET /api/v1/runs/{id}"), ("POST", "POST /api/v1/runs")):
+                b, x = results[f"{app} {verb}"], results[f"bare {verb}"]
+                db = "n/a" if b.db_cpu_ms is None else f"{b.db_cpu_ms:.2f}"
+                print(f"| {k + 1} | {'this tree' if app == 'ballast' else args.before_commit} | `{path}` | "
+                      f"{b.rps:,.0f} | {b.pct(0.5):.1f} / {b.pct(0.99):.1f} | "
+                      f"{b.cpu_ms:.2f} + {db} + {b.client_cpu_ms:.2f} ms | {x.rps:,.0f} | "
+                      f"{x.pct(0.5):.1f} / {x.pct(0.99):.1f} | {x.cpu_ms:.2f} + {x.client_cpu_ms:.2f} ms | "
+                      f"{b.rps / x.rps:.2f} | {b.pct(0.99) / x.pct(0.99):.2f} |")
+    if any(r.db_cpu is None for name, r in measured if not name.startswith("bare")):
         print("\nn/a: the server opened and closed database connections during the run (a churning pool), so the "
               "PostgreSQL backends' CPU could not be summed.")
-    bad = {k: r.statuses for k, r in results.items() if set(r.statuses) - {200, 201}}
+    bad = {k: r.statuses for k, r in measured if set(r.statuses) - {200, 201}}
     if bad:
         print(f"\nunexpected statuses: {bad}")
 

@@ -24,9 +24,16 @@ Figures per variant, over a ``--seconds`` window after a warm-up:
 
 Variants, in one run, on the same database, channels and pushers' code, interleaved when ``--repeats`` > 1:
 
-* ``before``: ``ingest_events`` as it was at ``--before-commit`` (loaded from git into a module of its own, and
-  put in the scheduler's place), i.e. the code before the batching work;
-* ``after``: the tree's ``orchestrator.store.ingest.ingest_events``.
+* ``before``: the scheduler's service as it was at ``--before-commit`` (``orchestrator/scheduler/service.py``
+  loaded from git into a module of its own; the tick calls its ``service`` once per run, as that commit's loop
+  did: two transactions and ~9 statements per run), with the sink at that commit's defaults (0.2 s / 64 events);
+* ``after``: the tree's code (``service_all``: one transaction per tick, ``ingest_many``) with the tree's
+  ``ActorSink`` defaults;
+* ``batched-sink0.2``: the tree's service with the old sink defaults (the scheduler's change alone);
+* ``ingest-63f183b``: ``ingest_events`` as it was at 63f183b (before the ``unnest`` insert) in the ``before``
+  service, with the old sink defaults.
+
+``--sink-flush-interval`` / ``--sink-max-batch`` override every variant's sink settings.
 
 Between variants the event tables are emptied and the attempts' cursors reset; the channels are drained empty.
 
@@ -36,7 +43,7 @@ scheduler clears it once the pushers have stopped (the control plane's own ceili
 channel actors cost.
 
 Usage: ``python benchmarks/bench_ingest.py [--attempts 100] [--rate 20000] [--seconds 20] [--warmup 5]
-[--pushers 2] [--poll 0.5] [--sink-flush-interval 0.2] [--sink-max-batch 64] [--drain-timeout 60]
+[--pushers 2] [--poll 0.5] [--sink-flush-interval S] [--sink-max-batch N] [--drain-timeout 60]
 [--variants before,after] [--repeats 1] [--json]``. Needs the PostgreSQL server of the tests
 (``BALLAST_TEST_PG_URL``, default ``postgres@127.0.0.1:5432``, trust auth); the database is created and dropped.
 """
@@ -65,8 +72,13 @@ sys.path.insert(0, str(REPO))
 import sqlalchemy as sa  # noqa: E402
 from pg import pg_database  # noqa: E402  (benchmarks/pg.py)
 
-BEFORE_COMMIT = "63f183b"
-"""The last commit before the batching work (its ``orchestrator/store/ingest.py`` is the ``before`` variant)."""
+BEFORE_COMMIT = "5044150"
+"""The last commit before the tick's shared transaction (its ``orchestrator/scheduler/service.py`` is the
+``before`` variant)."""
+INGEST_BEFORE_COMMIT = "63f183b"
+"""The last commit before the ``unnest`` insert (its ``orchestrator/store/ingest.py``: ``ingest-63f183b``)."""
+OLD_SINK = {"flush_interval": 0.2, "max_batch": 64}
+"""``ActorSink``'s defaults at ``BEFORE_COMMIT``."""
 RECIPE: dict[str, Any] = {"name": "ingest-bench", "checkpoint": {"keep": 3}}
 SCHEDULER_ID = "bench-ingest"
 
@@ -229,6 +241,22 @@ class LagRecorder:
 
         return ingest_events
 
+    def wrap_many(self, fn: Callable[..., Any]) -> Callable[..., Any]:
+        def ingest_many(*, session: Any, batches: Any, **kw: Any) -> Any:
+            batches = [(run, attempt, list(events)) for run, attempt, events in batches]
+            started = time.perf_counter()
+            result = fn(session=session, batches=batches, **kw)
+            took = time.perf_counter() - started
+            pending = session.info.setdefault("bench_ts", [])
+            pending.extend((float(e.get("ts") or 0.0), e.get("type") == "metric")
+                           for _, _, evs in batches for e in evs)
+            with self.lock:
+                self.ingest_s += took
+                self.ingest_calls += 1
+            return result
+
+        return ingest_many
+
     def _after_commit(self, session: Any) -> None:
         pending = session.info.pop("bench_ts", None)
         if not pending:
@@ -244,13 +272,14 @@ class LagRecorder:
         session.info.pop("bench_ts", None)
 
 
-def load_before(commit: str) -> types.ModuleType:
-    """``orchestrator/store/ingest.py`` as it was at ``commit``, as a module of its own."""
-    text = subprocess.run(["git", "-C", str(REPO), "show", f"{commit}:orchestrator/store/ingest.py"],
+def load_before(commit: str, path_in_repo: str = "orchestrator/store/ingest.py",
+                name: str = "ingest_before") -> types.ModuleType:
+    """A module of the tree as it was at ``commit``, as a module of its own (``name``)."""
+    text = subprocess.run(["git", "-C", str(REPO), "show", f"{commit}:{path_in_repo}"],
                           check=True, capture_output=True, text=True).stdout
-    path = Path(tempfile.mkdtemp(prefix="bench-ingest-")) / "ingest_before.py"
+    path = Path(tempfile.mkdtemp(prefix="bench-ingest-")) / f"{name}.py"
     path.write_text(text)
-    spec = importlib.util.spec_from_file_location("ingest_before", path)
+    spec = importlib.util.spec_from_file_location(name, path)
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module  # dataclasses look their module up
@@ -266,12 +295,57 @@ def percentile(xs: list[float], q: float) -> float:
     return xs[min(len(xs) - 1, int(q * len(xs)))]
 
 
-def one_variant(name: str, fn: Callable[..., Any], *, url: str, factory: Any, handles: list[Any],
+class Variant:
+    """What a variant puts in the scheduler's place: the service module the tick calls (``service_all`` of the
+    tree, or an old module's per-run ``service``), the ingest function in it, and the sink's settings."""
+
+    def __init__(self, service_module: types.ModuleType, *, per_run: bool, sink: Mapping[str, Any],
+                 ingest: Callable[..., Any] | None = None) -> None:
+        self.module, self.per_run, self.sink, self.ingest = service_module, per_run, dict(sink), ingest
+
+
+def variants(args: argparse.Namespace) -> dict[str, Variant]:
+    import orchestrator.scheduler.service as tree_service
+    from workers.ray_sink import ActorSink
+
+    sink = {"flush_interval": ActorSink.DEFAULT_FLUSH_INTERVAL, "max_batch": ActorSink.DEFAULT_MAX_BATCH}
+    out = {"after": Variant(tree_service, per_run=False, sink=sink),
+           "batched-sink0.2": Variant(tree_service, per_run=False, sink=OLD_SINK)}
+    names = set(args.variants.split(","))
+    if "before" in names or "ingest-63f183b" in names:
+        old = load_before(args.before_commit, "orchestrator/scheduler/service.py", "service_before")
+        out["before"] = Variant(old, per_run=True, sink=OLD_SINK)
+        if "ingest-63f183b" in names:
+            out["ingest-63f183b"] = Variant(old, per_run=True, sink=OLD_SINK,
+                                            ingest=load_before(INGEST_BEFORE_COMMIT).ingest_events)
+    for v in out.values():
+        if args.sink_flush_interval is not None:
+            v.sink["flush_interval"] = args.sink_flush_interval
+        if args.sink_max_batch is not None:
+            v.sink["max_batch"] = args.sink_max_batch
+    return out
+
+
+def _per_run(service_module: types.ModuleType) -> Callable[[Any, Any], None]:
+    """The tick's servicing as at ``BEFORE_COMMIT``: the module's ``service`` once per run."""
+    from orchestrator.scheduler.outage import is_outage
+
+    def per_run(ctx: Any, executions: Any) -> None:
+        for ex in executions:
+            try:
+                service_module.service(ctx, ex)
+            except Exception as exc:  # noqa: BLE001 - as that loop did: one run's failure is its own
+                if is_outage(exc):
+                    raise
+
+    return per_run
+
+
+def one_variant(name: str, variant: Variant, *, url: str, factory: Any, handles: list[Any],
                 channel_pids: list[int], args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
     import ray
 
     import orchestrator.scheduler.loop as loop_module
-    import orchestrator.scheduler.service as service_module
     from orchestrator.scheduler import Scheduler
     from orchestrator.scheduler.context import Execution
     from orchestrator.scheduler.launcher import RayLauncher
@@ -287,8 +361,11 @@ def one_variant(name: str, fn: Callable[..., Any], *, url: str, factory: Any, ha
         scheduler.ctx.executions[run_id] = Execution(run_id=run_id, name=f"bench-{run_id}", handle=handle,
                                                      attempt=1, demand_cpus=0.0, started=True)
     recorder = LagRecorder(factory)
-    original = service_module.ingest_events
-    service_module.ingest_events = recorder.wrap(fn)
+    service_module = variant.module
+    ingest_name = "ingest_events" if variant.per_run else "ingest_many"
+    original = getattr(service_module, ingest_name)
+    setattr(service_module, ingest_name, recorder.wrap(variant.ingest or original) if variant.per_run
+            else recorder.wrap_many(original))
     timers = {"poll": 0.0, "service": 0.0}  # wall time of the scheduler's channel polls and of whole services
     launcher = scheduler.ctx.launcher
     real_poll = launcher.poll
@@ -317,20 +394,21 @@ def one_variant(name: str, fn: Callable[..., Any], *, url: str, factory: Any, ha
 
     sa_event.listen(factory.kw["bind"], "before_cursor_execute", before_exec)
     sa_event.listen(factory.kw["bind"], "after_cursor_execute", after_exec)
-    real_service = loop_module.service
+    real_service_all = loop_module.service_all
+    per_run = _per_run(service_module)
 
-    def timed_service(ctx: Any, ex: Any) -> None:
+    def timed_service(ctx: Any, executions: Any) -> None:
         started = time.perf_counter()
         try:
-            real_service(ctx, ex)
+            (per_run if variant.per_run else service_module.service_all)(ctx, executions)
         finally:
             timers["service"] += time.perf_counter() - started
-            db["services"] += 1
+            db["services"] += len(executions)
 
-    loop_module.service = timed_service
+    loop_module.service_all = timed_service
     pusher_cls = ray.remote(num_cpus=0)(Pusher)
     per = [handles[i::args.pushers] for i in range(args.pushers)]
-    sink_options = {"flush_interval": args.sink_flush_interval, "max_batch": args.sink_max_batch}
+    sink_options = variant.sink
     pushers = [pusher_cls.remote([h for _, h in group], args.rate / len(handles), sink_options) for group in per]
     pusher_pids = ray.get([p.pid.remote() for p in pushers])
     scheduler.start()
@@ -371,8 +449,8 @@ def one_variant(name: str, fn: Callable[..., Any], *, url: str, factory: Any, ha
         # what the scheduler did not take in time is dropped from the channels (acked far beyond any seq), so the
         # next variant starts from empty channels
         ray.get([h.drain.remote({1: 2**62}) for _, h in handles])
-        service_module.ingest_events = original
-        loop_module.service = real_service
+        setattr(service_module, ingest_name, original)
+        loop_module.service_all = real_service_all
         sa_event.remove(factory.kw["bind"], "before_cursor_execute", before_exec)
         sa_event.remove(factory.kw["bind"], "after_cursor_execute", after_exec)
         recorder.close()
@@ -384,6 +462,7 @@ def one_variant(name: str, fn: Callable[..., Any], *, url: str, factory: Any, ha
            for k in cpu0}
     return {
         "variant": name,
+        "sink": variant.sink,
         "offered_rate": args.rate,
         "events_per_s": events / args.seconds,
         "metric_events_per_s": recorder.committed_metrics / args.seconds,
@@ -432,8 +511,10 @@ def main() -> None:
     ap.add_argument("--seconds", type=float, default=20.0)
     ap.add_argument("--warmup", type=float, default=5.0)
     ap.add_argument("--pushers", type=int, default=2)
-    ap.add_argument("--sink-flush-interval", type=float, default=0.2, help="ActorSink's (its default: 0.2 s)")
-    ap.add_argument("--sink-max-batch", type=int, default=64, help="ActorSink's (its default: 64)")
+    ap.add_argument("--sink-flush-interval", type=float, default=None,
+                    help="ActorSink's, for every variant (default: each variant's own)")
+    ap.add_argument("--sink-max-batch", type=int, default=None,
+                    help="ActorSink's, for every variant (default: each variant's own)")
     ap.add_argument("--poll", type=float, default=0.5, help="scheduler_poll_seconds (the default setting)")
     ap.add_argument("--drain-timeout", type=float, default=60.0,
                     help="after the window, wait at most this long for the backlog to clear")
@@ -448,10 +529,8 @@ def main() -> None:
     import migrations
     from orchestrator.channel import NAMESPACE, channel_actor_class
     from orchestrator.store.db import make_engine, make_session_factory
-    from orchestrator.store.ingest import ingest_events
 
-    variants: dict[str, Callable[..., Any]] = {"after": ingest_events,
-                                               "before": load_before(args.before_commit).ingest_events}
+    by_name = variants(args)
     order = [v for v in args.variants.split(",") if v] * args.repeats
     results = []
     with pg_database("ballast_bench_ingest") as url, tempfile.TemporaryDirectory() as tmpdir:
@@ -473,7 +552,7 @@ def main() -> None:
                 print(f"{len(cpids)} idle channel actors: {1000 * (idle1 - idle0) / (time.monotonic() - t_idle):.0f} "
                       "ms CPU per second together", flush=True)
             for name in order:
-                r = one_variant(name, variants[name], url=url, factory=factory, handles=handles,
+                r = one_variant(name, by_name[name], url=url, factory=factory, handles=handles,
                                 channel_pids=cpids, args=args, tmp=Path(tmpdir))
                 results.append(r)
                 if not args.json:
@@ -493,7 +572,8 @@ def _fmt(x: float | None) -> str:
 
 def _line(r: Mapping[str, Any]) -> str:
     c = r["cpu_ms_per_1k"]
-    return (f"{r['variant']:>6}: {r['events_per_s']:,.0f} events/s committed (offered {r['offered_rate']:,.0f}); "
+    return (f"{r['variant']:>6} (sink {r['sink']['flush_interval']:g} s / {r['sink']['max_batch']}): "
+            f"{r['events_per_s']:,.0f} events/s committed (offered {r['offered_rate']:,.0f}); "
             f"lag p50 {r['lag_p50_s']:.2f} s, p99 {r['lag_p99_s']:.2f} s, max {r['lag_max_s']:.2f} s; "
             f"CPU ms/1k events: scheduler {_fmt(c['scheduler'])}, "
             f"channels {_fmt(c['channels'])}, PostgreSQL {_fmt(c['postgresql'])}, pushers {_fmt(c['pushers'])}; "

@@ -18,7 +18,7 @@ from orchestrator.scheduler.claims import claim, default_scheduler_id, release_l
 from orchestrator.scheduler.context import Context
 from orchestrator.scheduler.launcher import Launcher, RayLauncher
 from orchestrator.scheduler.outage import OutageLog, is_outage
-from orchestrator.scheduler.service import service
+from orchestrator.scheduler.service import service_all
 from orchestrator.scheduler.signals import reclaim_signals, stop_on_signals
 from orchestrator.settings import Settings
 
@@ -154,13 +154,7 @@ class Scheduler:
         """One pass: renew leases, service active runs, adopt orphaned ones, claim queued ones."""
         self._ensure_connected()
         renew_leases(self.ctx)
-        for ex in list(self.ctx.executions.values()):
-            try:
-                service(self.ctx, ex)
-            except Exception as exc:  # noqa: BLE001 - one run's failure must not stall the others
-                if is_outage(exc):
-                    raise  # the whole tick failed: logged once, by the loop
-                log.exception("servicing run %s failed", ex.run_id)
+        service_all(self.ctx, list(self.ctx.executions.values()))  # an outage fails the tick: logged by the loop
         now = time.monotonic()
         if now >= self._next_reconcile:
             reconcile(self.ctx)

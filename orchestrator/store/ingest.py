@@ -6,7 +6,8 @@ with ``ON CONFLICT DO NOTHING`` (metric points, eval points, layer snapshots and
 anomalies per (attempt, seq)); run and attempt aggregates are maxima/minima, so applying a batch twice changes nothing.
 Each table's rows of a batch go in as one statement: on PostgreSQL the high-volume metric and eval points and the
 layer snapshots as one ``INSERT ... SELECT FROM unnest(arrays)`` (``_insert_unnest``), elsewhere a multi-row
-``INSERT ... VALUES``.
+``INSERT ... VALUES``; ``ingest_many`` writes the batches of many attempts (the scheduler's whole tick) with one
+statement per table.
 
 Where things go:
 
@@ -29,6 +30,7 @@ from __future__ import annotations
 import functools
 import json
 import math
+from collections import Counter
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -96,14 +98,16 @@ def _insert(session: Session, table: Any) -> Any:
     raise NotImplementedError(f"database dialect {name!r} is not supported (SQLite or PostgreSQL)")
 
 
-def _insert_ignore(session: Session, table: Any, keys: Sequence[str], rows: list[dict[str, Any]]) -> int:
+def _insert_ignore(session: Session, table: Any, keys: Sequence[str], rows: list[dict[str, Any]]) -> Counter[int]:
+    """Insert what is new; returns how many rows went in per ``attempt_id``."""
     if not rows:
-        return 0
+        return Counter()
+    attempts = {r["attempt_id"] for r in rows}
     if session.get_bind().dialect.name == "postgresql" and table.name in _UNNEST_TABLES:
-        return _insert_unnest(session, table, keys, rows)
+        return _insert_unnest(session, table, keys, rows, attempts)
     # RETURNING counts what was new on both backends (a driver's executemany rowcount is not reliable)
-    stmt = _insert(session, table).on_conflict_do_nothing(index_elements=list(keys)).returning(table.c.id)
-    return len(session.execute(stmt, rows).all())
+    stmt = _insert(session, table).on_conflict_do_nothing(index_elements=list(keys)).returning(table.c.attempt_id)
+    return Counter(int(a) for a in session.execute(stmt, rows).scalars())
 
 
 _UNNEST_TABLES = frozenset({"metric_points", "eval_points", "layer_snapshots"})
@@ -111,33 +115,39 @@ _UNNEST_TABLES = frozenset({"metric_points", "eval_points", "layer_snapshots"})
 texts, ``json[]``)."""
 
 
-def _insert_unnest(session: Session, table: Any, keys: Sequence[str], rows: list[dict[str, Any]]) -> int:
+def _insert_unnest(session: Session, table: Any, keys: Sequence[str], rows: list[dict[str, Any]],
+                   attempts: set[int]) -> Counter[int]:
     """One ``INSERT ... SELECT FROM unnest(col arrays) ON CONFLICT DO NOTHING`` for the whole batch.
 
     The statement's text is the same for every batch (one bound array per column), so the driver converts it
     once and the server prepares it once; the multi-row ``VALUES`` of the generic path is a new text per batch
     size, re-parsed each time (about half of an ingest's time went there). A single statement's rowcount is what
-    it inserted (a conflicting row, redelivered or repeated within the batch, is not counted).
+    it inserted (a conflicting row, redelivered or repeated within the batch, is not counted). Rows of several
+    attempts (``ingest_many``) go in as one statement too, which then returns the ``attempt_id`` of each row it
+    inserted, to count them per attempt.
     """
     columns = [c for c in rows[0] if c != "created_at"]
-    sql = _unnest_sql(table, tuple(columns), tuple(keys))
+    sql = _unnest_sql(table, tuple(columns), tuple(keys), len(attempts) > 1)
     params: dict[str, Any] = {
         c: [json.dumps(r[c], allow_nan=False) for r in rows] if isinstance(table.c[c].type, sa.JSON)
         else [r[c] for r in rows]
         for c in columns
     }
     params["created_at"] = utcnow()  # one stamp for the batch (the ORM default gave each row its own)
-    return int(session.execute(sql, params).rowcount or 0)  # type: ignore[attr-defined]
+    result = session.execute(sql, params)
+    if len(attempts) > 1:
+        return Counter(int(a) for a in result.scalars())
+    return Counter({next(iter(attempts)): int(result.rowcount or 0)})  # type: ignore[attr-defined]
 
 
 @functools.cache
-def _unnest_sql(table: Any, columns: tuple[str, ...], keys: tuple[str, ...]) -> sa.TextClause:
+def _unnest_sql(table: Any, columns: tuple[str, ...], keys: tuple[str, ...], returning: bool) -> sa.TextClause:
     dialect = postgresql.dialect()  # type: ignore[no-untyped-call]
     arrays = ", ".join(f"CAST(:{c} AS {table.c[c].type.compile(dialect=dialect)}[])" for c in columns)
     return sa.text(
         f"INSERT INTO {table.name} ({', '.join(columns)}, created_at) "
         f"SELECT u.*, CAST(:created_at AS TIMESTAMP WITH TIME ZONE) FROM unnest({arrays}) AS u "
-        f"ON CONFLICT ({', '.join(keys)}) DO NOTHING"
+        f"ON CONFLICT ({', '.join(keys)}) DO NOTHING" + (" RETURNING attempt_id" if returning else "")
     )
 
 
@@ -262,13 +272,69 @@ def ingest_events(
     metrics_every_steps: int = 1,
 ) -> IngestResult:
     """Write one attempt's events (any order, possibly redelivered) and update the aggregates. Flushes only."""
+    return ingest_many(session=session, batches=[(run, attempt, events)], metrics_every_steps=metrics_every_steps)[0]
+
+
+def ingest_many(
+    *,
+    session: Session,
+    batches: Sequence[tuple[Run, Attempt, Iterable[Mapping[str, Any]]]],
+    metrics_every_steps: int = 1,
+) -> list[IngestResult]:
+    """``ingest_events`` for several attempts (of one run or of many) at once: each table's new rows of all the
+    batches go in as one statement, then the aggregates are updated batch by batch, in the order given (an
+    attempt's aggregates after its earlier attempts', as one call each would). One result per batch. Flushes only.
+
+    An attempt must appear in one batch at most (the counts are per attempt)."""
     if metrics_every_steps < 1:
         raise ValueError(f"metrics_every_steps: must be >= 1, got {metrics_every_steps}")
+    attempt_ids = [attempt.id for _, attempt, _ in batches]
+    if len(set(attempt_ids)) != len(attempt_ids):
+        raise ValueError("ingest_many: an attempt appears in more than one batch")
+    prepared = [_prepare(run, attempt, events, metrics_every_steps) for run, attempt, events in batches]
+    live = [p for p in prepared if p is not None]
+    for name, table in _TABLES:  # IngestResult and _Rows name each table's rows alike
+        keys = ("attempt_id", "seq") if name == "anomalies" else ("attempt_id", "step")
+        counts = _insert_ignore(session, table, keys, [row for _, rows, _ in live for row in getattr(rows, name)])
+        for res, rows, _ in live:
+            setattr(res, name, counts.get(rows.attempt_id, 0))
+    results = []
+    for (run, attempt, _), p in zip(batches, prepared, strict=True):
+        if p is None:
+            results.append(IngestResult())
+            continue
+        res, rows, end = p
+        res.steps = sorted({r["step"] for r in rows.metrics})
+        last_step = rows.last_step
+        if end is not None:
+            if rows.final_step >= 0:
+                last_step = max(last_step if last_step is not None else -1, rows.final_step)
+            _record_end(attempt, end)
+            res.end = end
+        _update_aggregates(run, attempt, rows, last_step, res.max_seq)
+        results.append(res)
+    if live:
+        session.flush()
+    return results
+
+
+_TABLES: tuple[tuple[str, Any], ...] = (
+    ("metrics", MetricPoint.__table__),
+    ("anomalies", AnomalyRow.__table__),
+    ("checkpoints", CheckpointRow.__table__),
+    ("evals", EvalPoint.__table__),
+    ("layers", LayerSnapshotRow.__table__),
+)
+"""Where the rows go, in the order they are written."""
+
+
+def _prepare(run: Run, attempt: Attempt, events: Iterable[Mapping[str, Any]],
+             metrics_every_steps: int) -> tuple[IngestResult, _Rows, dict[str, Any] | None] | None:
+    """One attempt's batch as rows (None: no events)."""
     evs = sorted(events, key=lambda e: _int(e.get("seq")))
-    res = IngestResult()
     if not evs:
-        return res
-    res.max_seq = max(_int(e.get("seq")) for e in evs)
+        return None
+    res = IngestResult(max_seq=max(_int(e.get("seq")) for e in evs))
     end = next((dict(e["data"]) for e in reversed(evs) if e.get("type") == "end"), None)
     rows = _Rows(
         run_id=run.id, attempt_id=attempt.id, metrics_every_steps=metrics_every_steps,
@@ -277,22 +343,7 @@ def ingest_events(
     )
     for ev in evs:
         rows.add(ev)
-
-    res.metrics = _insert_ignore(session, MetricPoint.__table__, ("attempt_id", "step"), rows.metrics)
-    res.anomalies = _insert_ignore(session, AnomalyRow.__table__, ("attempt_id", "seq"), rows.anomalies)
-    res.checkpoints = _insert_ignore(session, CheckpointRow.__table__, ("attempt_id", "step"), rows.checkpoints)
-    res.evals = _insert_ignore(session, EvalPoint.__table__, ("attempt_id", "step"), rows.evals)
-    res.layers = _insert_ignore(session, LayerSnapshotRow.__table__, ("attempt_id", "step"), rows.layers)
-    res.steps = sorted({r["step"] for r in rows.metrics})
-    last_step = rows.last_step
-    if end is not None:
-        if rows.final_step >= 0:
-            last_step = max(last_step if last_step is not None else -1, rows.final_step)
-        _record_end(attempt, end)
-        res.end = end
-    _update_aggregates(run, attempt, rows, last_step, res.max_seq)
-    session.flush()
-    return res
+    return res, rows, end
 
 
 def _record_end(attempt: Attempt, end: Mapping[str, Any]) -> None:

@@ -17,7 +17,7 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from contracts.recipe import validate_recipe_data
 from orchestrator.store.db import transaction
-from orchestrator.store.ingest import ingest_events
+from orchestrator.store.ingest import ingest_events, ingest_many
 from orchestrator.store.models import AnomalyRow, Attempt, CheckpointRow, EvalPoint, LayerSnapshotRow, MetricPoint, Run
 from orchestrator.store.repo import create_run, metric_series
 from tests.orchestrator import ingest_before
@@ -298,6 +298,43 @@ def test_batched_ingest_writes_what_the_previous_ingest_wrote(
                                                metrics_every_steps=every)
         assert asdict(got) == asdict(want) | {"layers": got.layers}
     assert _stored(session_factory, *new) == _stored(session_factory, *old)
+
+
+@hyp_settings(max_examples=25, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(first=_streams(), second=_streams())
+def test_ingest_many_writes_what_one_call_per_attempt_writes(
+    session_factory: sessionmaker[Session], first: tuple[list[list[dict[str, Any]]], int],
+    second: tuple[list[list[dict[str, Any]]], int],
+) -> None:
+    """Two attempts' deliveries written together (``ingest_many``: one statement per table, as the scheduler's
+    tick does) and the same written one ``ingest_events`` call each, into two other attempts: the same rows, the
+    same per-delivery counts per attempt, the same aggregates."""
+    every = first[1]
+    together, alone = [_make_run(session_factory) for _ in range(2)], [_make_run(session_factory) for _ in range(2)]
+    streams = [first[0], second[0]]
+    for i in range(max(map(len, streams))):
+        batches = [stream[i] if i < len(stream) else [] for stream in streams]
+        want = [_ingest(session_factory, *ids, batch, every) for ids, batch in zip(alone, batches, strict=True)]
+        with transaction(session_factory) as s:
+            items = []
+            for (run_id, attempt_id), batch in zip(together, batches, strict=True):
+                run, attempt = s.get(Run, run_id), s.get(Attempt, attempt_id)
+                assert run is not None and attempt is not None
+                items.append((run, attempt, batch))
+            got = ingest_many(session=s, batches=items, metrics_every_steps=every)
+        assert [asdict(g) for g in got] == [asdict(w) for w in want]
+    for ids, other in zip(together, alone, strict=True):
+        assert _stored(session_factory, *ids) == _stored(session_factory, *other)
+
+
+def test_ingest_many_refuses_an_attempt_twice(session_factory: sessionmaker[Session]) -> None:
+    run_id, attempt_id = _make_run(session_factory)
+    with transaction(session_factory) as s:
+        run, attempt = s.get(Run, run_id), s.get(Attempt, attempt_id)
+        assert run is not None and attempt is not None
+        batch = _events([_metric(0, 1.0)])
+        with pytest.raises(ValueError, match="more than one batch"):
+            ingest_many(session=s, batches=[(run, attempt, batch), (run, attempt, batch)])
 
 
 @pytest.mark.ray

@@ -457,3 +457,32 @@ def test_anomalies_reach_the_store(
     with transaction(session_factory) as s:
         row = s.scalars(sa.select(AnomalyRow)).one()
     assert (row.run_id, row.step, row.action) == (run_id, 2, "skip_step")
+
+
+# --------------------------------------------------------------------------------- one transaction per tick
+@pytest.mark.parametrize("chunk", [5000, 5], ids=["one-transaction", "chunks"])
+def test_a_tick_stores_every_runs_events_and_a_bad_run_does_not_hold_the_others_back(
+    session_factory: sessionmaker[Session], make_scheduler: Any, launcher: FakeLauncher,
+    caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch, chunk: int,
+) -> None:
+    """All runs' events of a tick go in together (or in chunks of about ``TRANSACTION_EVENTS``); when one run's
+    events cannot be stored (an event names its attempt as "x"), its shared transaction is rolled back and each run
+    serviced again on its own: the good runs' events are stored exactly once, the bad run's error is logged, and
+    its events wait in the channel."""
+    monkeypatch.setattr(service_mod, "TRANSACTION_EVENTS", chunk)
+    runs = [submit(session_factory) for _ in range(3)]
+    scheduler = make_scheduler(max_concurrent_runs=3)
+    scheduler.tick()  # claims and launches all three
+    channels = {r: launcher.of_run(r)[0] for r in runs}
+    for ch in channels.values():
+        ch.metrics(1, range(4))
+    channels[runs[1]].events.append({"attempt": "x", "seq": 99, "type": "metric", "data": {"step": 9}})
+    scheduler.tick()
+    scheduler.tick()  # the good runs' events are acked (dropped from their channels); nothing is stored twice
+    with transaction(session_factory) as s:
+        stored = dict(s.execute(sa.select(MetricPoint.run_id, sa.func.count()).group_by(MetricPoint.run_id)).all())
+    assert stored == {runs[0]: 4, runs[2]: 4}
+    assert [load(session_factory, r).state for r in runs] == ["running", "starting", "running"]
+    assert channels[runs[0]].events == [] and channels[runs[2]].events == []
+    assert len(channels[runs[1]].events) == 5
+    assert f"servicing run {runs[1]} failed" in caplog.text

@@ -1,0 +1,74 @@
+"""The PostgreSQL pool's liveness check: a connection that sat idle is pinged (and replaced when its server side is
+gone) before it is handed out; one in use a moment ago is handed out without a round trip."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+import sqlalchemy as sa
+
+import orchestrator.store.db as db
+from tests.conftest import create_pg_database, drop_pg_database
+
+pytestmark = pytest.mark.postgres
+
+
+@pytest.fixture
+def pg_url() -> Iterator[str]:
+    url = create_pg_database("ballast_pool")
+    try:
+        yield url
+    finally:
+        drop_pg_database(url)
+
+
+def _kill_backend(url: str, pid: int) -> None:
+    admin = sa.create_engine(url, poolclass=sa.pool.NullPool)
+    with admin.connect() as conn:
+        conn.execute(sa.text("SELECT pg_terminate_backend(:pid)"), {"pid": pid})
+    admin.dispose()
+
+
+def test_a_connection_in_use_a_moment_ago_is_not_pinged(pg_url: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(db, "PING_IDLE_S", 3600.0)
+    engine = db.make_engine(pg_url)
+    pings: list[object] = []
+    real = engine.dialect.do_ping
+    monkeypatch.setattr(engine.dialect, "do_ping", lambda c: pings.append(c) or real(c))
+    for _ in range(3):
+        with engine.connect() as conn:
+            assert conn.scalar(sa.text("SELECT 1")) == 1
+    assert pings == []
+    engine.dispose()
+
+
+def test_an_idle_connection_whose_server_side_is_gone_is_replaced(
+    pg_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(db, "PING_IDLE_S", 0.0)  # every returned connection counts as idle
+    engine = db.make_engine(pg_url)
+    with engine.connect() as conn:
+        pid = conn.scalar(sa.text("SELECT pg_backend_pid()"))
+    _kill_backend(pg_url, int(pid or 0))
+    with engine.connect() as conn:  # pinged, found dead, replaced: the caller never sees the dead connection
+        assert conn.scalar(sa.text("SELECT pg_backend_pid()")) != pid
+    engine.dispose()
+
+
+def test_a_busy_connection_whose_server_went_away_fails_once_then_the_pool_recovers(
+    pg_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Not pinged (in use a moment ago): the statement fails as a disconnect, which invalidates the pool, and the
+    next checkout connects afresh."""
+    monkeypatch.setattr(db, "PING_IDLE_S", 3600.0)
+    engine = db.make_engine(pg_url)
+    with engine.connect() as conn:
+        pid = conn.scalar(sa.text("SELECT pg_backend_pid()"))
+    _kill_backend(pg_url, int(pid or 0))
+    with pytest.raises(sa.exc.OperationalError) as failed, engine.connect() as conn:
+        conn.scalar(sa.text("SELECT 1"))
+    assert failed.value.connection_invalidated
+    with engine.connect() as conn:
+        assert conn.scalar(sa.text("SELECT 1")) == 1
+    engine.dispose()
