@@ -18,7 +18,6 @@ Needs torch (and ``safetensors`` for that format); nothing here is imported by `
 
 from __future__ import annotations
 
-import hashlib
 import json
 from collections.abc import Collection, Mapping
 from pathlib import Path
@@ -27,7 +26,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from contracts.checkpoint import CorruptCheckpoint, Manifest, verify_checkpoint
+from contracts.checkpoint import CorruptCheckpoint, Manifest, file_sha256, verify_checkpoint
 from contracts.recipe import Recipe, RecipeError, validate_recipe_data
 
 if TYPE_CHECKING:
@@ -226,7 +225,7 @@ def export_checkpoint(
         "format": format,
         "checkpoint": {**dict((about or {}).get("checkpoint") or {}), "step": manifest.step,
                        "sha256": manifest.sha256, "healthy": manifest.healthy},
-        "files": {p.name: _sha256(p) for p in sorted(out.iterdir()) if p.is_file() and p.name != EXPORT_JSON},
+        "files": {p.name: file_sha256(p) for p in sorted(out.iterdir()) if p.is_file() and p.name != EXPORT_JSON},
         "keys": len(weights),
         "dropped_keys": dropped,
         "model": recipe.model.model_dump(mode="json", by_alias=True),
@@ -265,9 +264,3 @@ def export_run(
                                  allowed_import_modules=allowed_import_modules, about=about)
 
 
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with path.open("rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()

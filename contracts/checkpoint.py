@@ -147,6 +147,15 @@ def verify_files(
     return out
 
 
+def file_sha256(path: Path) -> str:
+    """The sha256 of a local file, read in 1 MiB blocks (a shard or an exported model may be large)."""
+    digest = hashlib.sha256()
+    with path.open("rb") as fh:
+        for block in iter(lambda: fh.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
 def verify_checkpoint(directory: Where, *, expected_sha256: str | None = None,
                       storage: StorageOptions | None = None) -> Manifest:
     """Verify a whole checkpoint (manifest, recorded digest, every file) → its manifest; raises CorruptCheckpoint.

@@ -50,6 +50,7 @@ from contracts.checkpoint import (
     Manifest,
     canonical_json,
     check_expected,
+    file_sha256,
     read_manifest,
     verify_files,
 )
@@ -157,14 +158,6 @@ def _attached_files(attach: Mapping[str, Path] | None) -> dict[str, Path]:
     return out
 
 
-def _file_digest(path: Path) -> str:
-    digest = hashlib.sha256()
-    with path.open("rb") as fh:
-        for block in iter(lambda: fh.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
-
-
 def encode_checkpoint(state: dict[str, Any], meta: dict[str, Any],
                       attach: Mapping[str, Path] | None = None) -> EncodedCheckpoint:
     """Serialise a checked state (``check_state``): ``torch.save`` per part, each file's sha256 (the attached
@@ -181,7 +174,7 @@ def encode_checkpoint(state: dict[str, Any], meta: dict[str, Any],
         files[name] = {"sha256": hashlib.sha256(data).hexdigest(), "bytes": len(data)}
     attached = _attached_files(attach)
     for name, path in attached.items():
-        files[name] = {"sha256": _file_digest(path), "bytes": path.stat().st_size}
+        files[name] = {"sha256": file_sha256(path), "bytes": path.stat().st_size}
     body = {
         "format": FORMAT,
         "format_version": FORMAT_VERSION,
