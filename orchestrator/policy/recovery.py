@@ -55,11 +55,13 @@ with the same settings, the baseline other systems apply):
   - fp16 → bf16 (``precision.dtype``) *instead of* the LR/clip tightening above when the dtype is fp16,
     ``fp16_to_bf16`` is on and the ended attempt's loss scale collapsed or its values went non-finite
     (``fp16_overflow``): fp16's range failed, not the step size, so only the dtype changes (cutting the LR as
-    well under-trains the retry); if bf16 diverges too, the next retry tightens as usual.
+    well under-trains the retry) and there is no re-warm (the schedule is the recipe's, as it was); if bf16
+    diverges too, the next retry tightens as usual.
   - Nothing can change (both knobs at their floors, no dtype switch) → ``GiveUp``.
-- ``rewarm_steps`` from the recipe. ``skip_data_window``: ``data_offset += onset - resume_step + 1``, i.e. the
-  batches of steps ``resume_step..onset`` *inclusive* are skipped (the onset batch is the likeliest culprit);
-  otherwise the offset is carried over. ``data_offset`` shifts the data stream of the whole attempt
+- ``rewarm_steps`` from the recipe, except after a dtype switch alone (the LR did not change).
+  ``skip_data_window``: ``data_offset += onset - resume_step + 1``, i.e. the batches of steps
+  ``resume_step..onset`` *inclusive* are skipped (the onset batch is the likeliest culprit); otherwise the
+  offset is carried over. ``data_offset`` shifts the data stream of the whole attempt
   (batch index = step + data_offset).
 - ``overrides`` is the cumulative diff against the ORIGINAL recipe, ``{path: (original, new)}``: a knob
   tightened twice reads ``(1e-3, 2.5e-4)``, not ``(5e-4, 2.5e-4)``.
@@ -377,8 +379,10 @@ def _numeric_retry(
     resume, where = _resume_point(rec, lineage, last, onset)
     resume_step = resume.step if resume is not None else 0
     overrides = _cumulative(recipe, last, changes)
-    if rec.rewarm_steps:
-        texts.append(f"re-warm {rec.rewarm_steps} steps")
+    # a re-warm eases a *changed* step size in; a dtype switch alone keeps the LR and its schedule as they were
+    rewarm = 0 if all(c.path == DTYPE for c in changes) else rec.rewarm_steps
+    if rewarm:
+        texts.append(f"re-warm {rewarm} steps")
     data_offset = last.data_offset
     if rec.skip_data_window:
         data_offset += max(0, onset - resume_step + 1)
@@ -388,7 +392,7 @@ def _numeric_retry(
         resume_from=resume,
         resume_step=resume_step,
         overrides=overrides,
-        rewarm_steps=rec.rewarm_steps,
+        rewarm_steps=rewarm,
         data_offset=data_offset,
         reason=f"{_ended(last, onset)}; {where}; " + ", ".join(texts),
     )

@@ -364,6 +364,21 @@ def test_non_finite_values_in_fp16_switch_the_dtype_alone(dtype: str, detector: 
     assert ("non-finite values in fp16" in p.reason) is (expect.get("precision.dtype") is not None)
 
 
+@pytest.mark.parametrize(
+    ("dtype", "collapsed", "rewarm"),
+    [
+        ("fp16", True, 0),  # the dtype alone changes: the LR and its schedule stay the recipe's
+        ("bf16", True, 20),  # an LR cut is eased in
+        ("fp16", False, 20),
+    ],
+)
+def test_a_dtype_switch_alone_has_no_rewarm(dtype: str, collapsed: bool, rewarm: int) -> None:
+    r = recipe(precision={"dtype": dtype}, recovery={"rewarm_steps": 20})
+    p = plan(r, [diverged(loss_scale_collapsed=collapsed)], EVERY_100)
+    assert p.rewarm_steps == rewarm
+    assert ("re-warm" in p.reason) is (rewarm > 0)
+
+
 def test_after_the_switch_to_bf16_a_recurrence_tightens_the_lr() -> None:
     r = recipe(precision={"dtype": "fp16"})
     first = diverged(1, 812, loss_scale_collapsed=True)
@@ -503,7 +518,7 @@ def test_plan_json_forms_and_effective_values() -> None:
     r = recipe(precision={"dtype": "fp16"}, recovery={"skip_data_window": True})
     p = plan(r, [diverged(1, 812, loss_scale_collapsed=True)], EVERY_100)
     assert p.overrides_json() == {"precision.dtype": ["fp16", "bf16"]}
-    assert p.plan_json() == {"rewarm_steps": 20, "data_offset": 13, "resume_uri": "file:///ck/1/800"}
+    assert p.plan_json() == {"rewarm_steps": 0, "data_offset": 13, "resume_uri": "file:///ck/1/800"}
     values = effective_values(r, p.overrides_json())
     assert values["optimizer.lr"] == 1e-3 and values["precision.dtype"] == "bf16"
     assert effective_values(r, None)["precision.dtype"] == "fp16"
