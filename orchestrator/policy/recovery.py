@@ -58,9 +58,7 @@ with the same settings, the baseline other systems apply):
     well under-trains the retry) and there is no re-warm (the schedule is the recipe's, as it was); if bf16
     diverges too, the next retry tightens as usual.
   - Nothing can change (both knobs at their floors, no dtype switch) → ``GiveUp``.
-- ``rewarm_steps`` from the recipe when resuming from a checkpoint with a changed LR or clip; none from
-  initialisation (no restored optimizer moments to be stale: the recipe's warmup, as tightened, is the ramp) and
-  none after a dtype switch alone (the LR did not change).
+- ``rewarm_steps`` from the recipe, except after a dtype switch alone (the LR did not change).
   ``skip_data_window``: ``data_offset += onset - resume_step + 1``, i.e. the batches of steps
   ``resume_step..onset`` *inclusive* are skipped (the onset batch is the likeliest culprit); otherwise the
   offset is carried over. ``data_offset`` shifts the data stream of the whole attempt
@@ -381,9 +379,8 @@ def _numeric_retry(
     resume, where = _resume_point(rec, lineage, last, onset)
     resume_step = resume.step if resume is not None else 0
     overrides = _cumulative(recipe, last, changes)
-    # a re-warm eases a changed step size in over optimizer moments restored from a checkpoint (stale for it);
-    # from initialisation there are none (the recipe's warmup is the ramp), and a dtype switch alone keeps the LR
-    rewarm = 0 if resume is None or all(c.path == DTYPE for c in changes) else rec.rewarm_steps
+    # a re-warm eases a *changed* step size in; a dtype switch alone keeps the LR and its schedule as they were
+    rewarm = 0 if all(c.path == DTYPE for c in changes) else rec.rewarm_steps
     if rewarm:
         texts.append(f"re-warm {rewarm} steps")
     data_offset = last.data_offset
