@@ -86,8 +86,8 @@ class Recovery(Section):
     tighten_order: TightenOrder = TightenOrder.auto
     """auto: LR first for Adam-family optimizers, clipping first for SGD; or lr_first, clip_first, both."""
     rewarm_steps: StrictInt = Field(default=20, ge=0)
-    """Re-warm the LR linearly over this many steps after a rollback to a checkpoint with a tightened LR or clip
-    (none after a restart from initialisation, where the recipe's warmup is the ramp, or a dtype switch alone)."""
+    """Re-warm the LR linearly over this many steps after a retry that tightened the LR or clip (none after a dtype
+    switch alone: the LR did not change)."""
     skip_data_window: StrictBool = False
     """Skip the data between the resumed checkpoint and the onset step."""
     min_lr: StrictFloat = Field(default=1e-6, gt=0.0)
