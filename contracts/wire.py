@@ -35,7 +35,8 @@ EVENT_TYPES = frozenset({"metric", "layer_stats", "anomaly", "checkpoint", "eval
 ANOMALY_KINDS = (
     "nonfinite", "loss_scale_collapse", "grad_norm_spike", "loss_spike", "divergence", "oscillation", "stagnation",
     "vanishing_gradients", "skip_escalation",  # the step detectors (workers/detectors)
-    "vanishing", "never_learned", "degraded", "above_bar", "eval_degraded",  # the outcome verdict (workers/verdict.py)
+    # the outcome verdict (workers/verdict.py)
+    "vanishing", "never_learned", "stalled", "degraded", "above_bar", "eval_degraded",
     "checkpoint_corrupt",  # the control plane: a checkpoint failed verification (orchestrator/store/checkpoints.py)
 )
 """Every ``kind`` an ``anomaly`` event can carry. A ``Finding`` of any other kind is refused when it is made, so

@@ -67,7 +67,17 @@ from workers.sharding import check_full_resume, fsdp_enabled, shard_model
 from workers.signals import GatheredStep, RankSignals, combine, gather
 from workers.sinks import EventSink
 from workers.telemetry import layer_stats_payload, metric_payload
-from workers.verdict import EvalEvidence, Evidence, Verdict, early_check_step, final_loss, judge_end, judge_progress
+from workers.verdict import (
+    EvalEvidence,
+    Evidence,
+    Verdict,
+    early_check_step,
+    final_loss,
+    judge_end,
+    judge_progress,
+    judge_stall,
+    stall_steps,
+)
 
 
 def _num(x: float | None) -> str:
@@ -163,6 +173,8 @@ class GuardedTrainer:
         self._samples_per_step = r.training.batch_size * r.training.grad_accum_steps * ctx.world_size
         warmup = r.schedule.resolved_warmup_steps(r.training.max_steps)
         self._early_check = early_check_step(r.success, max_steps=r.training.max_steps, warmup_steps=warmup)
+        self._stall_steps = stall_steps(r.success, max_steps=r.training.max_steps,
+                                        ema_alpha=r.detectors.loss_spike.ema_alpha)
 
     # ------------------------------------------------------------------------------------------ train
     def train(self) -> AttemptOutcome:
@@ -199,6 +211,8 @@ class GuardedTrainer:
                                            or res.final_step == max_steps):
                 self._evaluate(res.final_step)  # the last step too: its checkpoint and the verdict read it
             if step == self._early_check and not self._judged(self._early_verdict(step)):
+                break
+            if not self._judged(self._stall_verdict(res.final_step)):
                 break
             if res.final_step % every == 0 or res.final_step == max_steps:
                 self.checkpoint(res.final_step)
@@ -429,6 +443,15 @@ class GuardedTrainer:
         if smoothed is None:
             return Verdict(None, "no loss seen yet")
         return judge_progress(self.recipe.success, smoothed_loss=smoothed, ev=self._evidence(), step=step)
+
+    def _stall_verdict(self, step: int) -> Verdict:
+        """The stall rule after ``step`` completed steps; cheap until the best is ``_stall_steps`` old."""
+        if self._stall_steps is None or self.data.loss_floor is None:
+            return Verdict(None, "off")
+        best_step = self.detectors.loss_summary().best_step
+        if best_step is None or step - max(best_step, self.start_step) < self._stall_steps:
+            return Verdict(None, "improving")
+        return judge_stall(self.recipe.success, self._evidence(), step=step, patience=self._stall_steps)
 
     def _judged(self, verdict: Verdict) -> bool:
         """True when the verdict is healthy; otherwise the attempt ends as diverged with the verdict's kind (the

@@ -9,6 +9,15 @@ time (the recipe's ``success`` section holds the tolerances):
   to the data's known loss floor (0 when unknown). The same test, with ``early_min_progress``, runs once at the
   early check (``early_check_step``), so a run that never learns is stopped after a quarter of its steps; there
   too, a run whose gradients vanished gets the vanishing diagnosis, not a retry that cannot help.
+- **stalled** (checked at every step, only where the data's loss floor is known): the best smoothed loss has not
+  improved for ``stall_steps`` while it is still short of ``stall_max_progress`` of the way from the clean
+  initial loss to the floor. A healthy run levels off near its floor, not a quarter or half of the way there: a
+  run that stops improving far above it (a too-high LR that the model can no longer descend at, typically
+  reached at the end of the warmup) is under-trained however long it goes on, and waiting for the end only
+  spends steps. Like a run that never learned, the onset is the attempt's start: every step so far ran at the
+  LR that stalled it, and its checkpoints, best one included, hold weights that a lower LR does not bring back
+  (measured on the development cases: from the best checkpoint the retry ended 1.2-1.9x the reference's loss,
+  from initialisation within 3% of it).
 - **degraded**: the final loss is more than ``regression_tolerance`` above the best smoothed loss the lineage
   reached; the onset is just after the best step, so the rollback goes back to the best checkpoint.
 - **eval degraded / never learned (held out)**, only when the attempt measured an eval loss
@@ -36,10 +45,11 @@ from contracts.recipe import Success
 
 VANISHING = "vanishing"
 NEVER_LEARNED = "never_learned"
+STALLED = "stalled"
 DEGRADED = "degraded"
 ABOVE_BAR = "above_bar"
 EVAL_DEGRADED = "eval_degraded"
-VERDICT_KINDS = (VANISHING, NEVER_LEARNED, DEGRADED, EVAL_DEGRADED, ABOVE_BAR)
+VERDICT_KINDS = (VANISHING, NEVER_LEARNED, STALLED, DEGRADED, EVAL_DEGRADED, ABOVE_BAR)
 
 
 @dataclass(frozen=True)
@@ -117,6 +127,35 @@ def progress(value: float, initial: float | None, floor: float | None) -> float 
 def early_check_step(cfg: Success, *, max_steps: int, warmup_steps: int) -> int:
     """The step at which a run that has not started learning is stopped as never learned."""
     return min(max_steps - 1, max(int(cfg.early_check_fraction * max_steps), 3 * warmup_steps))
+
+
+def stall_steps(cfg: Success, *, max_steps: int, ema_alpha: float) -> int | None:
+    """How long the best smoothed loss may go without improving before a run far from its floor has stalled:
+    ``stall_fraction`` of the run, and at least two horizons (1/alpha) of the EMA that smooths it, since the
+    smoothed loss itself lags the loss by one. None: the rule is off."""
+    if cfg.stall_fraction is None:
+        return None
+    return max(int(cfg.stall_fraction * max_steps), math.ceil(2.0 / ema_alpha))
+
+
+def judge_stall(cfg: Success, ev: Evidence, *, step: int, patience: int) -> Verdict:
+    """The stall rule (module docstring) at ``step`` (completed steps), with ``patience`` from ``stall_steps``,
+    counted from the best step or, in an attempt that resumed after it, from the resume."""
+    if (ev.loss_floor is None or ev.best_loss is None or ev.best_step is None
+            or step - max(ev.best_step, ev.start_step) < patience):  # an attempt that resumed gets a whole window
+        return Verdict(None, "improving")
+    p = progress(ev.best_loss, ev.initial_loss, ev.loss_floor)
+    if p is None or p >= cfg.stall_max_progress:
+        return Verdict(None, "improving or near the floor")
+    if ev.vanishing:  # stalled because the gradients vanished: the diagnosis that no LR retry is spent on
+        return _vanishing(ev.best_loss, p, ev, cfg.stall_max_progress, f"by step {step} the best smoothed loss")
+    return Verdict(
+        STALLED,
+        f"stalled: the best smoothed loss {_fmt(ev.best_loss)} (step {ev.best_step}) has not improved for "
+        f"{step - ev.best_step} steps, {p:.0%} of the way from the initial {_fmt(ev.initial_loss)} to the floor "
+        f"{_fmt(ev.loss_floor)} (a run may level off only past {cfg.stall_max_progress:.0%})",
+        value=ev.best_loss, threshold=_threshold(ev, cfg.stall_max_progress), onset_step=ev.start_step,
+    )
 
 
 def _fmt(x: float | None) -> str:

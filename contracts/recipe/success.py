@@ -21,6 +21,14 @@ class Success(Section):
     early_min_progress of that way has never learned: it is stopped then instead of at the end."""
     early_min_progress: StrictFloat = Field(default=0.05, ge=0.0, le=1.0)
     """Fraction of the way to the floor the smoothed loss must have covered by the early check (0: no check)."""
+    stall_fraction: StrictFloat | None = Field(default=0.2, gt=0.0, le=1.0)
+    """Stalled far from the floor (only where the data's loss floor is known): the best smoothed loss has not
+    improved for this fraction of training.max_steps (and at least two of the loss detector's EMA horizons) while it
+    has covered less than stall_max_progress of the way from the initial loss to the floor. The LR is too high for
+    where the model is (the loss stopped falling and sat, or rose, at a level a healthy run passes through), so the
+    attempt ends there and, like a run that never learned, starts again with a lower LR. None turns the rule off."""
+    stall_max_progress: StrictFloat = Field(default=0.75, gt=0.0, le=1.0)
+    """The share of the way to the floor below which a run may not level off (see stall_fraction)."""
     eval_regression_tolerance: StrictFloat | None = Field(default=0.1, ge=0.0, le=10.0)
     """With training.eval_interval: the final held-out (eval) loss may be at most this fraction above the best eval
     loss of the lineage, and must be below the first one (measured before any update); None: the eval loss is

@@ -639,3 +639,13 @@ def test_no_progress_or_an_early_blow_up_lowers_the_lr_by_the_factor_squared() -
     late = plan(r, [diverged(1, 812, detector="divergence")], EVERY_100)
     assert late.overrides["optimizer.lr"] == (0.01, pytest.approx(0.005))
 
+
+def test_a_stalled_run_starts_again_from_initialisation_with_the_lr_cut_by_the_factor_squared() -> None:
+    """A stall far from the floor (the verdict's onset: the attempt's start) is a run that never really learned
+    at its LR: the checkpoints it wrote do not qualify, and the LR moves like after never learning."""
+    r = recipe(optimizer={"lr": 0.2})
+    stalled = plan(r, [diverged(1, 0, detector="stalled")], EVERY_100)
+    assert stalled.resume_step == 0 and (stalled.resume_from is None or stalled.resume_from.step == 0)
+    assert stalled.overrides["optimizer.lr"] == (0.2, pytest.approx(0.05))
+    assert "clipping.method" not in stalled.overrides  # a loss kind: the LR goes first
+

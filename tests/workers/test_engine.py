@@ -335,6 +335,29 @@ def test_a_run_that_never_learns_is_stopped_at_the_early_check_not_succeeded(tmp
     assert anomaly["kind"] == "never_learned" and anomaly["action"] == "rollback"
 
 
+PLATEAU: dict[str, Any] = {
+    "model": {"d_model": 64}, "training": {"max_steps": 180, "batch_size": 16, "seed": 3},
+    "optimizer": {"lr": 0.2, "weight_decay": 0.01}, "schedule": {"warmup_steps": 40}, "success": DEFAULT_SUCCESS,
+}
+
+
+def test_a_run_that_stalls_far_from_its_floor_is_stopped_not_succeeded(tmp_path: Path) -> None:
+    """A warmup to a peak LR far too high for tiny_gpt d64: the loss falls while the LR is small, then sits at 2-3x
+    the data's floor for the rest of the run (unguarded it ends there, never far enough above its start or its best
+    for a loss rule). The stall rule stops it once its best smoothed loss is two EMA horizons old, with the numbers in
+    the reason; the same model at a safe LR passes."""
+    sink = ListSink()
+    res = run(make_recipe(**PLATEAU), tmp_path / "stalled", sink)
+    assert res.outcome == "diverged" and res.detector == "stalled", res.reason
+    [anomaly] = [a for a in sink.of_type("anomaly") if a["detector"] == "verdict"]
+    best_step = int(anomaly["details"]["reason"].split("(step ")[1].split(")")[0])
+    assert res.final_step == best_step + 40 < 180 and res.onset_step == 0
+    assert anomaly["value"] > anomaly["threshold"]  # short of 75% of the way to the floor
+    assert min(res.losses[best_step + 1:]) > 1.5 * 1.245  # what it did after its best: nowhere near the floor
+    safe = run(make_recipe(**{**PLATEAU, "optimizer": {"lr": 3e-3}}), tmp_path / "safe")
+    assert safe.outcome == "succeeded", safe.reason
+
+
 def test_a_healthy_run_passes_the_verdict(tmp_path: Path) -> None:
     res = run(make_recipe(training={"max_steps": 120}, success=DEFAULT_SUCCESS), tmp_path)
     assert res.outcome == "succeeded", res.reason

@@ -13,6 +13,7 @@ from workers.verdict import (
     DEGRADED,
     EVAL_DEGRADED,
     NEVER_LEARNED,
+    STALLED,
     VANISHING,
     VERDICT_KINDS,
     EvalEvidence,
@@ -21,7 +22,9 @@ from workers.verdict import (
     final_loss,
     judge_end,
     judge_progress,
+    judge_stall,
     progress,
+    stall_steps,
 )
 
 CFG = Success()
@@ -90,6 +93,58 @@ def test_the_early_check_gives_the_vanishing_diagnosis_when_the_gradients_vanish
     assert stuck.kind == VANISHING and "vanishing gradients" in stuck.reason and "by step 75" in stuck.reason
     assert stuck.onset_step == 40
     assert judge_progress(CFG, smoothed_loss=3.5, ev=ev(None, vanishing=True), step=75).healthy
+
+
+# ------------------------------------------------------------------------------------------------ the stall rule
+@pytest.mark.parametrize(
+    ("evidence", "step", "kind"),
+    [
+        # initial 4.2, floor 1.39: 75% of the way is 2.09
+        (ev(None, best=2.8, best_step=30), 70, STALLED),          # 50% of the way, no new best for 40 steps
+        (ev(None, best=2.8, best_step=30), 69, None),             # 39 steps: not yet
+        (ev(None, best=2.8, best_step=31), 70, None),             # a newer best restarts the wait
+        (ev(None, best=2.0, best_step=30), 200, None),            # 78% of the way: a run may level off there
+        (ev(None, best=2.8, best_step=30, floor=None), 200, None),  # no known floor: the rule cannot judge
+        (ev(None, best=None, best_step=None), 200, None),          # nothing smoothed yet
+        (ev(None, best=2.8, best_step=30, start=50), 89, None),    # resumed at 50: its own 40 steps from there
+        (ev(None, best=2.8, best_step=30, start=50), 90, STALLED),
+        (ev(None, best=4.3, best_step=30), 70, STALLED),           # never below the initial loss at all
+        (ev(None, best=2.8, best_step=30, vanishing=True), 70, VANISHING),  # why it stalled: give up, not retry
+    ],
+)
+def test_judge_stall(evidence: Evidence, step: int, kind: str | None) -> None:
+    v = judge_stall(CFG, evidence, step=step, patience=40)
+    assert v.kind == kind, v.reason
+    if kind is not None:
+        assert v.onset_step == evidence.start_step  # like never learned: the whole attempt ran at the stalling LR
+        assert v.value == evidence.best_loss
+        assert v.threshold == pytest.approx(4.2 - 0.75 * (4.2 - 1.39))
+
+
+def test_the_stall_reason_names_the_numbers() -> None:
+    v = judge_stall(CFG, ev(None, best=2.8, best_step=30), step=75, patience=40)
+    assert "stalled" in v.reason and "2.8" in v.reason and "step 30" in v.reason and "45 steps" in v.reason
+    assert "50%" in v.reason and "1.39" in v.reason and "75%" in v.reason
+
+
+@pytest.mark.parametrize(
+    ("fraction", "max_steps", "alpha", "expected"),
+    [
+        (0.2, 180, 0.05, 40),        # two EMA horizons (2/0.05) outlast a fifth of a short run
+        (0.2, 1000, 0.05, 200),      # a fifth of a long one
+        (0.2, 1000, 0.01, 200),      # a slower EMA: 200 either way
+        (0.05, 10_000, 0.005, 500),  # 2/0.005 = 400 < 500
+        (None, 1000, 0.05, None),    # off
+    ],
+)
+def test_stall_steps(fraction: float | None, max_steps: int, alpha: float, expected: int | None) -> None:
+    assert stall_steps(Success(stall_fraction=fraction), max_steps=max_steps, ema_alpha=alpha) == expected
+
+
+def test_the_stall_bar_is_the_recipes() -> None:
+    strict = Success(stall_max_progress=0.9)
+    assert judge_stall(strict, ev(None, best=2.0, best_step=30), step=200, patience=40).kind == STALLED
+    assert judge_stall(CFG, ev(None, best=2.0, best_step=30), step=200, patience=40).healthy
 
 
 def test_final_loss_is_the_mean_of_the_last_finite_losses() -> None:
