@@ -218,7 +218,7 @@ class GuardedTrainer:
                 self.checkpoint(res.final_step)
         else:
             # reaching max_steps is not success: the model must be healthy where it ends
-            verdict = judge_end(self.recipe.success, self._evidence())
+            verdict = judge_end(self.recipe.success, self._evidence(), step=max_steps, stall_patience=self._stall_steps)
             if self._judged(verdict):
                 res.reason = f"completed {max_steps} steps; {verdict.reason}"
         self._evaluate_unless_done(res.final_step)  # an attempt that ended early: where it ended

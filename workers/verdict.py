@@ -138,11 +138,15 @@ def stall_steps(cfg: Success, *, max_steps: int, ema_alpha: float) -> int | None
     return max(int(cfg.stall_fraction * max_steps), math.ceil(2.0 / ema_alpha))
 
 
-def judge_stall(cfg: Success, ev: Evidence, *, step: int, patience: int) -> Verdict:
+def judge_stall(cfg: Success, ev: Evidence, *, step: int, patience: int, at_end: bool = False) -> Verdict:
     """The stall rule (module docstring) at ``step`` (completed steps), with ``patience`` from ``stall_steps``,
-    counted from the best step or, in an attempt that resumed after it, from the resume."""
-    if (ev.loss_floor is None or ev.best_loss is None or ev.best_step is None
-            or step - max(ev.best_step, ev.start_step) < patience):  # an attempt that resumed gets a whole window
+    counted from the best step or, while an attempt that resumed after it runs, from the resume (a retry gets a
+    whole window to improve on the lineage's best). ``at_end``: the lineage is judged as a whole, without that
+    grace, so an attempt resumed too close to the end to be judged while it ran cannot end a stalled lineage as a
+    success. The onset is the attempt's start, or the lineage's (step 0) when the stall began before it."""
+    if ev.loss_floor is None or ev.best_loss is None or ev.best_step is None:
+        return Verdict(None, "no floor or no smoothed loss")
+    if step - (ev.best_step if at_end else max(ev.best_step, ev.start_step)) < patience:
         return Verdict(None, "improving")
     p = progress(ev.best_loss, ev.initial_loss, ev.loss_floor)
     if p is None or p >= cfg.stall_max_progress:
@@ -154,7 +158,8 @@ def judge_stall(cfg: Success, ev: Evidence, *, step: int, patience: int) -> Verd
         f"stalled: the best smoothed loss {_fmt(ev.best_loss)} (step {ev.best_step}) has not improved for "
         f"{step - ev.best_step} steps, {p:.0%} of the way from the initial {_fmt(ev.initial_loss)} to the floor "
         f"{_fmt(ev.loss_floor)} (a run may level off only past {cfg.stall_max_progress:.0%})",
-        value=ev.best_loss, threshold=_threshold(ev, cfg.stall_max_progress), onset_step=ev.start_step,
+        value=ev.best_loss, threshold=_threshold(ev, cfg.stall_max_progress),
+        onset_step=ev.start_step if ev.best_step >= ev.start_step else 0,
     )
 
 
@@ -196,8 +201,10 @@ def _threshold(ev: Evidence, share: float) -> float | None:
     return ev.initial_loss - share * (ev.initial_loss - target)
 
 
-def judge_end(cfg: Success, ev: Evidence) -> Verdict:
-    """The verdict on an attempt that reached its last step (rules in the module docstring, in that order)."""
+def judge_end(cfg: Success, ev: Evidence, *, step: int | None = None, stall_patience: int | None = None) -> Verdict:
+    """The verdict on an attempt that reached its last step (rules in the module docstring, in that order); the
+    stall rule over the whole lineage (``judge_stall(at_end=True)``) when ``step`` and ``stall_patience`` are
+    given."""
     final = ev.final_loss
     if final is None:
         return Verdict(DEGRADED, "no finite loss in the attempt's last steps", onset_step=ev.start_step)
@@ -212,6 +219,10 @@ def judge_end(cfg: Success, ev: Evidence) -> Verdict:
             f"{_fmt(ev.initial_loss)} to the floor (needs {cfg.min_progress:.0%})",
             value=final, threshold=_threshold(ev, cfg.min_progress), onset_step=ev.start_step,
         )
+    if step is not None and stall_patience is not None:
+        stalled = judge_stall(cfg, ev, step=step, patience=stall_patience, at_end=True)
+        if not stalled.healthy:
+            return stalled
     limit = None if ev.best_loss is None else (1.0 + cfg.regression_tolerance) * ev.best_loss + ev.noise_std
     if ev.best_loss is not None and ev.best_loss > 0 and limit is not None and final > limit:
         onset = ev.start_step if ev.best_step is None else max(ev.best_step + 1, 0)

@@ -107,7 +107,8 @@ def test_the_early_check_gives_the_vanishing_diagnosis_when_the_gradients_vanish
         (ev(None, best=2.8, best_step=30, floor=None), 200, None),  # no known floor: the rule cannot judge
         (ev(None, best=None, best_step=None), 200, None),          # nothing smoothed yet
         (ev(None, best=2.8, best_step=30, start=50), 89, None),    # resumed at 50: its own 40 steps from there
-        (ev(None, best=2.8, best_step=30, start=50), 90, STALLED),
+        (ev(None, best=2.8, best_step=30, start=50), 90, STALLED),  # and then the stall began before it: onset 0
+        (ev(None, best=2.8, best_step=60, start=50), 100, STALLED),  # began in this attempt: onset at its start
         (ev(None, best=4.3, best_step=30), 70, STALLED),           # never below the initial loss at all
         (ev(None, best=2.8, best_step=30, vanishing=True), 70, VANISHING),  # why it stalled: give up, not retry
     ],
@@ -115,10 +116,24 @@ def test_the_early_check_gives_the_vanishing_diagnosis_when_the_gradients_vanish
 def test_judge_stall(evidence: Evidence, step: int, kind: str | None) -> None:
     v = judge_stall(CFG, evidence, step=step, patience=40)
     assert v.kind == kind, v.reason
-    if kind is not None:
-        assert v.onset_step == evidence.start_step  # like never learned: the whole attempt ran at the stalling LR
+    if kind is STALLED:
+        assert evidence.best_step is not None
+        # like never learned: the whole attempt (or the lineage, when the stall began before it) ran at that LR
+        assert v.onset_step == (evidence.start_step if evidence.best_step >= evidence.start_step else 0)
         assert v.value == evidence.best_loss
         assert v.threshold == pytest.approx(4.2 - 0.75 * (4.2 - 1.39))
+
+
+def test_at_the_end_the_stall_rule_judges_the_whole_lineage() -> None:
+    """An attempt resumed close to the end (the baseline's restart from the newest checkpoint, a crash restart)
+    has no whole window left: while it runs it is not judged, but its end is, on the lineage's best."""
+    late = ev(2.7, best=2.6, best_step=30, start=150)
+    assert judge_stall(CFG, late, step=180, patience=40).healthy
+    end = judge_end(CFG, late, step=180, stall_patience=40)
+    assert end.kind == STALLED and end.onset_step == 0
+    assert judge_end(CFG, late).healthy  # without the stall arguments: the other rules alone (2.7 is 36% of the way)
+    improving = ev(2.7, best=2.6, best_step=170, start=150)  # as far from the floor, but the retry improved on it
+    assert judge_end(CFG, improving, step=180, stall_patience=40).healthy
 
 
 def test_the_stall_reason_names_the_numbers() -> None:
