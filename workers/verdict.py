@@ -16,8 +16,8 @@ time (the recipe's ``success`` section holds the tolerances):
   reached at the end of the warmup) is under-trained however long it goes on, and waiting for the end only
   spends steps. Like a run that never learned, the onset is the attempt's start: every step so far ran at the
   LR that stalled it, and its checkpoints, best one included, hold weights that a lower LR does not bring back
-  (measured on the development cases: from the best checkpoint the retry ended 1.2-1.9x the reference's loss,
-  from initialisation within 3% of it).
+  (measured on development runs: from the best checkpoint the retries ended at 1.2-1.9x the loss a safe LR
+  reaches, from initialisation within 2% of it).
 - **degraded**: the final loss is more than ``regression_tolerance`` above the best smoothed loss the lineage
   reached; the onset is just after the best step, so the rollback goes back to the best checkpoint.
 - **eval degraded / never learned (held out)**, only when the attempt measured an eval loss
