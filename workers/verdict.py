@@ -132,7 +132,7 @@ def early_check_step(cfg: Success, *, max_steps: int, warmup_steps: int) -> int:
 def stall_steps(cfg: Success, *, max_steps: int, ema_alpha: float) -> int | None:
     """How long the best smoothed loss may go without improving before a run far from its floor has stalled:
     ``stall_fraction`` of the run, and at least two horizons (1/alpha) of the EMA that smooths it, since the
-    smoothed loss itself lags the loss by one. None: the rule is off."""
+    smoothed loss itself lags the loss by about one. None: the rule is off."""
     if cfg.stall_fraction is None:
         return None
     return max(int(cfg.stall_fraction * max_steps), math.ceil(2.0 / ema_alpha))
