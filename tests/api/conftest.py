@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import socket
 import threading
 import time
 import warnings
@@ -17,6 +16,7 @@ from sqlalchemy.orm import Session, sessionmaker
 from api.app import create_app
 from api.auth import issue_token
 from orchestrator.settings import Settings
+from tests.ports import free_port
 
 with warnings.catch_warnings():
     # starlette's TestClient warns that plain httpx is deprecated in favour of httpx2 (not installed here)
@@ -124,12 +124,6 @@ def seed_attempt(
         run.current_attempt = number
         session.commit()
         return att.id
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 @pytest.fixture

@@ -36,7 +36,8 @@ from orchestrator.settings import Settings, get_settings
 from orchestrator.store import repo
 from orchestrator.store.db import make_engine
 from orchestrator.store.models import AnomalyRow, Attempt, EvalPoint, MetricPoint, Run
-from tests.api.conftest import YAML_RECIPE, free_port, seed_attempt, settings_for
+from tests.api.conftest import YAML_RECIPE, seed_attempt, settings_for
+from tests.ports import free_port
 
 BAD_RECIPE = """\
 apiVersion: ballast/v1

@@ -18,8 +18,8 @@ from typing import Any
 import pytest
 import yaml
 
-from tests.api.conftest import free_port
 from tests.api.test_cli import BALLAST, _serve_env, _wait_healthy
+from tests.ports import free_port
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow, pytest.mark.timeout(1200)]
 REPO = Path(__file__).resolve().parents[2]

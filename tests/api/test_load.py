@@ -20,9 +20,9 @@ import pytest
 import sqlalchemy as sa
 import yaml
 
-from tests.api.conftest import free_port
 from tests.api.test_cli import BALLAST, _serve_env, _wait_healthy
 from tests.conftest import create_pg_database, drop_pg_database
+from tests.ports import free_port
 from tests.recipes import recipe_doc
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow, pytest.mark.postgres, pytest.mark.timeout(900)]

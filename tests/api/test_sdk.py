@@ -17,7 +17,8 @@ from api.client import BallastClient
 from ballast import ApiError, Client, Unreachable, WaitTimeout
 from orchestrator.policy.states import RunState
 from orchestrator.store.models import Run
-from tests.api.conftest import YAML_RECIPE, free_port, seed_attempt
+from tests.api.conftest import YAML_RECIPE, seed_attempt
+from tests.ports import free_port
 
 
 def set_state(factory: sessionmaker[Session], run_id: int, state: RunState) -> None:

@@ -26,8 +26,8 @@ from api.client import BallastClient
 from contracts.checkpoint import CorruptCheckpoint, verify_checkpoint
 from orchestrator.store.db import make_engine, make_session_factory, transaction
 from orchestrator.store.models import Attempt, CheckpointRow, MetricPoint, Run
-from tests.api.conftest import free_port
 from tests.api.test_cli import BALLAST, _serve_env, _wait_healthy
+from tests.ports import free_port
 from tests.recipes import recipe_doc
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow, pytest.mark.timeout(900)]

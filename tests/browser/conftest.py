@@ -13,7 +13,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -24,6 +23,8 @@ from typing import Any
 
 import httpx
 import pytest
+
+from tests.ports import free_port
 
 CHROMIUM = os.environ.get("BALLAST_CHROMIUM", "/usr/bin/chromium")
 CHROMIUM_ARGS = [
@@ -52,12 +53,6 @@ def wait_for(condition: Callable[[], Any], *, timeout: float, what: str, every: 
         if time.monotonic() > deadline:
             pytest.fail(f"timed out after {timeout:.0f} s waiting for {what}")
         time.sleep(every)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 @dataclass
@@ -145,7 +140,7 @@ def _stop(proc: subprocess.Popen[bytes]) -> None:
 def server(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     auth = request.param == "auth-on"
     home = tmp_path_factory.mktemp(f"ballast-{request.param}")
-    port = _free_port()
+    port = free_port()
     env = _server_env(home, auth, port)
     token = _create_token(env) if auth else None
     log = home / "serve.log"

@@ -25,17 +25,11 @@ import httpx
 import pytest
 
 from tests.helm.conftest import CHART, Rendered, container, env_of
+from tests.ports import free_port
 
 HOST = "127.0.0.2"
 BALLAST = str(Path(sysconfig.get_path("scripts")) / "ballast")
 PEPPER = "test-pepper-0123456789abcdef"
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind((HOST, 0))
-        port: int = s.getsockname()[1]
-        return port
 
 
 def pod_env(c: dict[str, Any], secrets: dict[tuple[str, str], str], overrides: dict[str, str]) -> dict[str, str]:
@@ -71,7 +65,7 @@ def api_pod(default_render: Rendered, tmp_path_factory: pytest.TempPathFactory) 
     tmp = tmp_path_factory.mktemp("api-pod")
     secrets = {("ballast-database", "url"): f"sqlite:///{tmp / 'ballast.db'}", ("ballast-auth", "pepper"): PEPPER}
     ray_head = socket.create_server((HOST, 0))  # accepts TCP connections like the head Service's client port
-    port = _free_port()
+    port = free_port(HOST)
     overrides = {
         "HOME": str(tmp),
         "BALLAST_HOME": str(tmp / "home"),  # the pod's emptyDir

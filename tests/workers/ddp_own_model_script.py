@@ -6,7 +6,6 @@ DDP's buckets through ``Objective``); and the classifier on a TensorDataset. Ran
 from __future__ import annotations
 
 import json
-import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -52,9 +51,9 @@ def classifier() -> dict[str, Any]:
     }
 
 
-def worker(rank: int, out: str, port: int, tokens: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=2)
+def worker(rank: int, out: str, tokens: str) -> None:
+    # a file rendezvous in the test's own directory: no TCP port to pick and then lose to another process
+    dist.init_process_group("gloo", init_method=f"file://{Path(out) / 'rendezvous'}", rank=rank, world_size=2)
     root = Path(out)
     results: dict[str, Any] = {}
     try:
@@ -73,4 +72,4 @@ def worker(rank: int, out: str, port: int, tokens: str) -> None:
 
 
 if __name__ == "__main__":
-    mp.spawn(worker, args=(sys.argv[1], int(sys.argv[2]), sys.argv[3]), nprocs=2)  # type: ignore[attr-defined,no-untyped-call]
+    mp.spawn(worker, args=(sys.argv[1], sys.argv[2]), nprocs=2)  # type: ignore[attr-defined,no-untyped-call]

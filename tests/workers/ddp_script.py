@@ -8,7 +8,6 @@ in-place recovery: a NaN on rank 1 at step 12, rank 0's sink hands back a plan, 
 from __future__ import annotations
 
 import json
-import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -48,9 +47,9 @@ def recipe(compression: str, **extra: Any) -> Recipe:
     })
 
 
-def worker(rank: int, out: str, port: int) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=2)
+def worker(rank: int, out: str) -> None:
+    # a file rendezvous in the test's own directory: no TCP port to pick and then lose to another process
+    dist.init_process_group("gloo", init_method=f"file://{Path(out) / 'rendezvous'}", rank=rank, world_size=2)
     root = Path(out)
     results: dict[str, Any] = {}
     try:
@@ -75,4 +74,4 @@ def worker(rank: int, out: str, port: int) -> None:
 
 
 if __name__ == "__main__":
-    mp.spawn(worker, args=(sys.argv[1], int(sys.argv[2])), nprocs=2)  # type: ignore[attr-defined,no-untyped-call]
+    mp.spawn(worker, args=(sys.argv[1],), nprocs=2)  # type: ignore[attr-defined,no-untyped-call]

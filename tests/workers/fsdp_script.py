@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import copy
 import json
-import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -99,9 +98,9 @@ def clipping_on_shards(rank: int) -> dict[str, Any]:
     return out
 
 
-def worker(rank: int, out: str, port: int) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=2)
+def worker(rank: int, out: str) -> None:
+    # a file rendezvous in the test's own directory: no TCP port to pick and then lose to another process
+    dist.init_process_group("gloo", init_method=f"file://{Path(out) / 'rendezvous'}", rank=rank, world_size=2)
     root = Path(out)
     results: dict[str, Any] = {}
     try:
@@ -131,4 +130,4 @@ def worker(rank: int, out: str, port: int) -> None:
 
 
 if __name__ == "__main__":
-    mp.spawn(worker, args=(sys.argv[1], int(sys.argv[2])), nprocs=2)  # type: ignore[attr-defined,no-untyped-call]
+    mp.spawn(worker, args=(sys.argv[1],), nprocs=2)  # type: ignore[attr-defined,no-untyped-call]

@@ -288,14 +288,6 @@ def test_attempt_spec_roundtrips_through_json(tmp_path: Path) -> None:
 
 
 # ------------------------------------------------------------------------ DDP inside a process group
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 @pytest.mark.timeout(300)
 @pytest.mark.slow
 def test_ddp_in_a_process_group_comm_hooks_powersgd_resume_and_in_place_recovery(tmp_path: Path) -> None:
@@ -303,7 +295,7 @@ def test_ddp_in_a_process_group_comm_hooks_powersgd_resume_and_in_place_recovery
     import sys
 
     script = Path(__file__).with_name("ddp_script.py")
-    proc = subprocess.run([sys.executable, str(script), str(tmp_path), str(_free_port())], capture_output=True,
+    proc = subprocess.run([sys.executable, str(script), str(tmp_path)], capture_output=True,
                           text=True, timeout=280, cwd=Path(__file__).resolve().parents[2])
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = json.loads((tmp_path / "results0.json").read_text())

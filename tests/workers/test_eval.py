@@ -225,15 +225,11 @@ def test_ballast_train_prints_eval_losses_and_returns_them(tmp_path: Path) -> No
 @pytest.mark.slow
 def test_ddp_every_rank_holds_the_same_eval_loss_and_the_same_trajectory(tmp_path: Path) -> None:
     import json
-    import socket
     import subprocess
     import sys
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = int(s.getsockname()[1])
     script = Path(__file__).with_name("ddp_eval_script.py")
-    proc = subprocess.run([sys.executable, str(script), str(tmp_path), str(port)], capture_output=True, text=True,
+    proc = subprocess.run([sys.executable, str(script), str(tmp_path)], capture_output=True, text=True,
                           timeout=280, cwd=Path(__file__).resolve().parents[2])
     assert proc.returncode == 0, proc.stderr[-3000:]
     r0, r1 = (json.loads((tmp_path / f"results{r}.json").read_text()) for r in (0, 1))

@@ -518,17 +518,13 @@ def test_lora_without_matching_layers_names_the_field(tmp_path: Path) -> None:
 # ------------------------------------------------------------------------------------------------- DDP
 @pytest.mark.slow  # two spawned gloo ranks, like test_engine's DDP test
 def test_ddp_on_dict_batches_with_powersgd_resumes_exactly(tmp_path: Path) -> None:
-    import socket
     import subprocess
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = int(s.getsockname()[1])
     tokens = write_tokens(tmp_path / "tokens.npy", n_tokens=4096, vocab_size=64)
     script = Path(__file__).with_name("ddp_own_model_script.py")
     root = Path(__file__).resolve().parents[2]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")])}
-    proc = subprocess.run([sys.executable, str(script), str(tmp_path), str(port), str(tokens)], capture_output=True,
+    proc = subprocess.run([sys.executable, str(script), str(tmp_path), str(tokens)], capture_output=True,
                           text=True, timeout=280, cwd=root, env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = json.loads((tmp_path / "results0.json").read_text())
