@@ -6,7 +6,6 @@ from __future__ import annotations
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -16,17 +15,13 @@ from typing import Any
 
 import httpx
 
+from tests.ports import free_port
+
 REPO = Path(__file__).resolve().parents[2]
 TERMINAL = frozenset({"succeeded", "failed", "cancelled"})
 # the embedded defaults whatever this shell configured (a benchmark must not use someone's cluster or database)
 _CLEARED = ("BALLAST_DATABASE_URL", "BALLAST_CHECKPOINT_ROOT", "BALLAST_RAY_ADDRESS", "RAY_ADDRESS",
             "BALLAST_AUTH_MODE", "BALLAST_TOKEN", "BALLAST_URL")
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _ballast_cmd() -> list[str]:
@@ -40,7 +35,7 @@ class Service:
     def __init__(self, home: Path, *, num_cpus: int = 2, max_concurrent: int = 2, start_timeout_s: float = 240.0,
                  log: Path | None = None) -> None:
         self.home = home
-        self.port = _free_port()
+        self.port = free_port()  # below the ephemeral range: nothing takes it before serve binds it
         self.url = f"http://127.0.0.1:{self.port}"
         self.num_cpus = num_cpus
         self.max_concurrent = max_concurrent
