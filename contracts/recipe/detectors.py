@@ -60,8 +60,9 @@ class LossSpikeDetector(Section):
     the first 5 finite ones that were not skipped and not already this far above the mean so far. A healthy run
     never ends up far above where it started, so this rule needs no warmup (``warmup_steps`` does not apply to
     it): it catches the blow-up in the first steps of a too-high LR, which the warmup would hide. The rise must
-    also be 4 batch-noise deviations; still, for a loss with more than ~15% batch noise (MSE on a few samples)
-    raise it or disable it. None disables."""
+    also be 4 batch-noise deviations, and 4 spreads of the untrained model's per-batch losses where they were
+    measured (``untrained_steps``); still, for a loss with more than ~30% batch noise (MSE on a few samples) raise
+    it or disable it. None disables."""
     collapse_fraction: StrictFloat | None = Field(default=0.8, gt=0.0, le=1.0)
     """Fire (kind divergence) when the smoothed loss has given back this fraction of the progress it made, from
     the initial loss down to the best smoothed loss (a run that learned, then collapsed back towards where it

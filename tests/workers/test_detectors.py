@@ -615,6 +615,11 @@ def suite_with_untrained(untrained: list[float], cfg: Detectors | None = None) -
     return suite
 
 
+def observe_all(suite: DetectorSuite, series: Iterable[StepSignals]) -> list[Decision]:
+    """One suite through the whole series (its rules keep state from step to step)."""
+    return [suite.observe(s) for s in series]
+
+
 @pytest.mark.parametrize("seed", SEEDS)
 @pytest.mark.parametrize(("start", "factor"), [(1, 1.15), (2, 1.3), (5, 1.2), (12, 1.5)])
 def test_a_loss_above_the_untrained_model_on_its_batch_fires_at_once(seed: int, start: int, factor: float) -> None:
@@ -644,7 +649,7 @@ def test_batch_noise_cannot_fire_the_paired_rule(seed: int, spread: float) -> No
     series = healthy(seed, n=200)
     series = edit(series, range(16), loss=lambda s: untrained[s.step] * (1.0 - 0.01 * s.step))
     off = cfg_with(loss_spike={"max_initial_ratio": None})  # the unpaired rule is not what is tested here
-    assert [f for f in findings([suite_with_untrained(untrained, off).observe(s) for s in series])
+    assert [f for f in findings(observe_all(suite_with_untrained(untrained, off), series))
             if f.details.get("rule") == "worse_than_untrained"] == []
 
 
@@ -663,10 +668,44 @@ def test_a_large_spread_of_the_untrained_losses_widens_the_margin() -> None:
     assert 1.5 * spread > 0.1 * untrained[4]
 
 
+MLP_REGRESSION_UNTRAINED = [6.057, 13.868, 11.289, 12.638, 8.878, 8.688, 13.24, 7.771, 12.474, 11.458, 12.89,
+                            12.319, 10.923, 8.66, 7.034, 9.064]
+"""An untrained deep tanh MLP's per-batch MSE on a regression (measured by the trainer, batch 16): the first
+batch is one of the easiest, and the others lie up to 2.3x above it."""
+
+
+def _slow_start(untrained: list[float], n: int = 60) -> list[StepSignals]:
+    """A healthy run at a tiny LR (a long warmup): for the measured steps it scores about what the untrained model
+    scores on each batch, then it learns."""
+    rng = np.random.default_rng(3)
+    losses = [x * 0.99 for x in untrained] + [
+        (2.0 + 7.0 * math.exp(-(i - len(untrained)) / 15)) * (1 + 0.2 * float(rng.standard_normal()))
+        for i in range(len(untrained), n)]
+    return [StepSignals(step=i, loss=x, grad_norm=1.0, finite=True) for i, x in enumerate(losses)]
+
+
+def test_a_wide_untrained_spread_widens_the_initial_ratio() -> None:
+    """The initial-ratio rule measured against an easy first batch took a slow start for a blow-up at step 3
+    (13.9, 11.3, 12.6 against a limit of 1.5 x 6.06): where the untrained losses spread widely, the rise must also
+    be NOISE_MARGIN spreads of them. Without the measurement the rule fires on the same series; a real blow-up
+    (3x the untrained mean) is still caught by the initial ratio alone."""
+    untrained = MLP_REGRESSION_UNTRAINED
+    unpaired = cfg_with(loss_spike={"max_untrained_ratio": None})  # only the initial-ratio rule is judged here
+    slow = _slow_start(untrained)
+    assert findings(observe_all(suite_with_untrained(untrained, unpaired), slow)) == []
+    unmeasured = first(observe_all(DetectorSuite(unpaired), slow), "divergence")
+    assert (unmeasured.details["rule"], unmeasured.step) == ("initial_ratio", 3)
+    mean = float(np.mean(untrained))
+    blown = edit(slow, range(5, 12), loss=lambda s: 3.0 * mean)
+    f = first(observe_all(suite_with_untrained(untrained, unpaired), blown), "divergence")
+    assert f.details["rule"] == "initial_ratio" and f.step == 7  # patience 3 from step 5
+    assert f.threshold >= 0.99 * untrained[0] + 4 * float(np.std(untrained, ddof=1))  # the spread's floor
+
+
 def test_the_paired_rule_covers_only_the_measured_steps_and_can_be_off() -> None:
     untrained = [4.2] * 16
     late = edit(healthy(0, n=60), [20], loss=lambda s: 1.3 * 4.2)  # step 20: beyond the 16 measured steps
-    assert [f for f in findings([suite_with_untrained(untrained).observe(s) for s in late])
+    assert [f for f in findings(observe_all(suite_with_untrained(untrained), late))
             if f.details.get("rule") == "worse_than_untrained"] == []
     early = edit(healthy(0, n=60), [3], loss=lambda s: 1.3 * 4.2)
     for off in (cfg_with(loss_spike={"max_untrained_ratio": None}), cfg_with(loss_spike={"untrained_steps": 0})):

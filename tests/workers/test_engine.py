@@ -386,6 +386,23 @@ def test_a_blow_up_that_falls_back_is_caught_against_the_untrained_model(tmp_pat
     assert res.losses[f["step"]] == pytest.approx(f["value"])
 
 
+def test_a_slow_start_on_a_wide_spread_loss_is_not_taken_for_a_blow_up(tmp_path: Path) -> None:
+    """A deep tanh MLP on a regression, at a safe LR behind a long warmup: for its first steps it scores what the
+    untrained model scores, up to 2.3x its easy first batch. Judged against that batch alone, the initial-ratio rule
+    called step 3 a divergence; the spread of the untrained losses widens its margin, and the run trains. The same
+    model at an LR that really blows up is still caught within a few steps."""
+    mlp = {**BASE, "model": {"name": "deep_mlp", "depth": 6, "width": 64, "activation": "tanh"},
+           "data": {"name": "regression", "dim": 16}, "training": {"max_steps": 80, "batch_size": 16, "seed": 7}}
+    slow = run(build_recipe(mlp, optimizer={"name": "sgd", "lr": 0.0234}, schedule={"warmup_steps": 60},
+                            clipping={"method": "global_norm", "max_norm": 0.5}), tmp_path / "slow")
+    assert slow.outcome == "succeeded", slow.reason
+    assert slow.findings == []
+    assert max(slow.losses[1:4]) > 1.5 * slow.losses[0]  # what the margin without the spread took for a blow-up
+    fast = run(build_recipe(mlp, optimizer={"name": "sgd", "lr": 0.05}, schedule={"warmup_steps": 0},
+                            clipping={"method": "none"}), tmp_path / "fast")
+    assert fast.outcome == "diverged" and fast.onset_step is not None and fast.onset_step <= 3, fast.reason
+
+
 def test_measuring_the_untrained_model_does_not_change_the_training(tmp_path: Path) -> None:
     """The measurement is forward only, on batches the steps read again, with the RNG restored: a run trains
     bit for bit as it would with the rule off."""
