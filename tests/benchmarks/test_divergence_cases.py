@@ -9,6 +9,7 @@ from typing import Any
 import pytest
 
 from benchmarks.divergence.cases import POLICIES, load_cases
+from benchmarks.divergence.fresh import SCENARIOS
 from benchmarks.divergence.metrics import evaluate_targets, final_loss, lineage_curve, loss_onset, steps_executed
 from benchmarks.divergence.run import plan_submissions
 from contracts.recipe import RegressionData, validate_recipe_data
@@ -140,3 +141,10 @@ def test_targets_pass_and_fail_as_defined() -> None:
     rows[0]["policies"]["ballast"]["steps_ratio"] = 1.4
     verdicts = dict((name, ok) for name, ok, _ in evaluate_targets(rows))
     assert [ok for ok in verdicts.values()] == [True, False, False, True, False]
+
+
+def test_fresh_scenarios_are_valid_recipes_and_their_references_only_lower_the_lr() -> None:
+    for name, (doc, ref_lr) in SCENARIOS.items():
+        recipe = validate_recipe_data({**doc, "recovery": {}})
+        assert ref_lr < recipe.optimizer.lr, name
+        assert "recovery" not in doc and not doc["faults"], name  # the policy's defaults; no injected fault
