@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import copy
 import json
-import math
 import sys
 import tempfile
 from pathlib import Path
@@ -23,6 +22,7 @@ import torch
 from api.cli.local_run import LocalRun
 from api.cli.train_cmd import run_in_process
 from benchmarks.divergence.cases import deep_merge
+from benchmarks.divergence.metrics import final_loss, steps_executed
 from contracts.recipe import Recipe
 from contracts.wire import AttemptSpec
 from workers.sinks import ListSink
@@ -72,30 +72,32 @@ POLICIES = {"none": {"max_retries": 0}, "ballast": {}}
 
 
 def run(doc: dict[str, Any], recovery: dict[str, Any]) -> dict[str, Any]:
-    """One run through the local recovery loop: its outcome, attempts and the lineage's loss curve."""
+    """One run through the local recovery loop: its outcome, attempts, final loss and steps executed."""
     recipe = Recipe.model_validate({**copy.deepcopy(doc), "recovery": recovery})
-    sinks: list[tuple[int, ListSink]] = []
+    sinks: list[ListSink] = []  # one per attempt, in order
 
     def make_sink(spec: AttemptSpec, start: int) -> ListSink:
-        sink = ListSink()
-        sinks.append((start, sink))
-        return sink
+        sinks.append(ListSink())
+        return sinks[-1]
 
     with tempfile.TemporaryDirectory() as root:
         out = LocalRun(recipe, Path(root), run_in_process, make_sink=make_sink).run()
-    curve: dict[int, float] = {}
-    executed = 0
-    for start, sink in sinks:  # a later attempt replaces the curve from its start step on
-        metrics = sink.of_type("metric")
-        executed += len(metrics)
-        curve = {step: loss for step, loss in curve.items() if step < start}
-        curve.update({m["step"]: math.inf if m["loss"] is None else m["loss"] for m in metrics})
+    # the metric events as the REST series the benchmark measures (a non-finite loss is absent, as there), so
+    # both measure with one definition
+    data: dict[str, Any] = {"series": {name: {"attempts": [], "steps": [], "values": []} for name in ("loss", "lr")}}
+    for attempt, sink in enumerate(sinks, start=1):
+        for m in sink.of_type("metric"):
+            for name, col in data["series"].items():
+                if m[name] is not None:
+                    col["attempts"].append(attempt)
+                    col["steps"].append(m["step"])
+                    col["values"].append(m[name])
     n = recipe.training.max_steps
-    tail = [curve[s] for s in range(n - 20, n) if s in curve]
+    final, complete = final_loss(data, n)
     return {
         "outcome": out.outcome,
-        "final": sum(tail) / len(tail) if len(tail) == 20 else None,
-        "steps": round(executed / n, 2),
+        "final": final if complete else None,
+        "steps": round(steps_executed(data) / n, 2),
         "attempts": [{"outcome": a.outcome, "changes": {k: v[1] for k, v in a.overrides.items()}}
                      for a in out.attempts],
         "reason": out.last.reason or out.gave_up or "",
