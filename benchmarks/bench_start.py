@@ -14,13 +14,16 @@ serves, and drives ``Scheduler.tick()`` until the run ends. The timeline of each
   ``setup_done`` (data, model, optimizer built);
 * ``first_step``: the ``ts`` of the attempt's first ``metric`` event (stamped by the worker after step 0).
 
-``--variant`` picks the launch path (both by default, each on a Ray of its own, started by ``RayLauncher.connect``
-as the scheduler starts it): ``before`` probes every first attempt (``preflight_builtin_recipes``) and preloads
-nothing into Ray's worker processes (``ray_preload_modules: []``), as the launch path did; ``after`` is the default
-now. (Both import Ray Train in the channel while a probe runs; that overlap has no switch.) Prints a Markdown
-table of median phase times per variant.
+``--variant`` picks the launch path (all three by default, each on a Ray of its own, started by
+``RayLauncher.connect`` as the scheduler starts it): ``before`` probes every first attempt
+(``preflight_builtin_recipes``) and preloads nothing into Ray's worker processes (``ray_preload_modules: []``), as
+the launch path once did; ``after`` is the default launch path now; ``standby`` keeps one standby worker group
+(``standby_worker_groups: 1``) and queues the run once the standby is ready, as on a service that has been up for
+a while (``adopted``: the launch handed to it; the standby's own start is before the claim and not counted). (The
+first two import Ray Train in the channel while a probe runs; that overlap has no switch.) Prints a Markdown table
+of median phase times per variant.
 
-Usage: ``python benchmarks/bench_start.py [--repeats 5] [--variant before --variant after]``.
+Usage: ``python benchmarks/bench_start.py [--repeats 5] [--variant after --variant standby]``.
 """
 
 from __future__ import annotations
@@ -49,6 +52,7 @@ from orchestrator.store.models import Run  # noqa: E402
 from orchestrator.store.repo import create_run  # noqa: E402
 
 PHASES: list[tuple[str, str, str]] = [
+    ("claim → standby adopted (standby only)", "claim", "adopted"),
     ("claim → channel actor up", "claim", "channel_up"),
     ("channel up → fit thread", "channel_up", "fit_thread"),
     ("preflight probe", "preflight_start", "preflight_done"),
@@ -63,7 +67,7 @@ PHASES: list[tuple[str, str, str]] = [
 whose marks are missing, e.g. no preflight, counts 0). The channel imports Ray Train while the probe runs, so the
 import phase counts only what is left of it once the probe is done."""
 
-VARIANTS = ("before", "after")
+VARIANTS = ("before", "after", "standby")
 
 
 def recipe(name: str, steps: int) -> dict[str, Any]:
@@ -102,6 +106,8 @@ def settings_for(home: Path, variant: str) -> Settings:
     extra: dict[str, Any] = {}
     if variant == "before":  # the probe for every first attempt, no preloaded worker processes
         extra = {"preflight_builtin_recipes": True, "ray_preload_modules": []}
+    if variant == "standby":  # one standby worker group kept started (the claim comes once it is ready)
+        extra = {"standby_worker_groups": 1}
     return Settings(home=home, database_url=f"sqlite:///{home / 'ballast.db'}", ray_num_cpus=2,
                     checkpoint_root=str(home / "checkpoints"), scheduler_poll_seconds=0.05, **extra)
 
@@ -112,11 +118,13 @@ def one_run(home: Path, variant: str, steps: int) -> dict[str, float]:
     migrations.upgrade(settings.database_url)
     factory = make_session_factory(make_engine(settings.database_url))
     doc = recipe(f"bench-start-{variant}", steps)
+    launcher = TimingLauncher(settings)
+    scheduler = Scheduler(settings, factory, launcher=launcher)
+    if variant == "standby":  # a long-running scheduler's standby is up before the run is queued
+        _wait_for_standby(scheduler, launcher)
     with transaction(factory) as s:
         run, _ = create_run(session=s, owner="bench", recipe=validate_recipe_data(doc), text=yaml.safe_dump(doc))
         run_id = run.id
-    launcher = TimingLauncher(settings)
-    scheduler = Scheduler(settings, factory, launcher=launcher)
     claim = time.time()
     state = "queued"
     while state not in ("succeeded", "failed", "cancelled"):
@@ -126,9 +134,23 @@ def one_run(home: Path, variant: str, steps: int) -> dict[str, float]:
             found = s.get(Run, run_id)
             assert found is not None
             state = found.state
+    launcher.shutdown()  # the standby started behind the run (Ray is the caller's)
     assert state == "succeeded", f"{variant}: the run ended {state}"
     marks = {"claim": claim, **launcher.marks}
     return {name: ts - claim for name, ts in marks.items()}
+
+
+def _wait_for_standby(scheduler: Scheduler, launcher: TimingLauncher, timeout: float = 300.0) -> None:
+    import ray
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        scheduler.tick()
+        states = [ray.get(h.standby_state.remote()) for h in launcher._standbys.values()]
+        if any(st["ready"] for st in states):
+            return
+        time.sleep(0.2)
+    raise TimeoutError("no standby worker group became ready")
 
 
 def phase_seconds(marks: Mapping[str, float]) -> dict[str, float]:

@@ -24,6 +24,13 @@ A config error it finds ends the fit at once (``{"state": "failed", "config_erro
 a trainer; a probe that times out or fails for another reason is inconclusive and the fit goes ahead. Its result
 is in the fit status as ``preflight`` (``status``, ``seconds``, ``error``).
 
+A **standby** channel (``start_standby``) starts its worker group before any run needs it: one worker, with
+``workers.entry:standby_loop_per_worker`` as the train function, which imports everything a run needs and then waits
+for ``take_launch``. ``adopt(run_id, attempt, launch)`` hands it a run's launch: the waiting worker takes it and runs
+the attempt as a freshly started group would, minus the three cold process starts (this actor, the Train controller,
+the worker) that are most of a run's start-up (``BENCHMARKS.md``, start latency). A standby serves one run, then
+ends with it.
+
 When the fit fails, the channel keeps the error as text and, when Ray Train reports per-rank failures
 (``ray.train.WorkerGroupError.worker_failures``: rank → exception), also as plain :class:`WorkerFailure`
 records, so the scheduler summarises a crash from structure rather than from the text
@@ -57,6 +64,8 @@ the poll still bounds how soon the controller sees a finished or failed worker g
 (an operator's own setting of the variable wins)."""
 DEFAULT_TRAIN_FN = "workers.entry:train_loop_per_worker"
 """The per-worker entry; a launch may name another (set by the scheduler, never by a recipe)."""
+STANDBY_TRAIN_FN = "workers.entry:standby_loop_per_worker"
+"""The train function of a standby worker group: warm up, wait for ``take_launch``, then run the launch."""
 DEFAULT_STEP_TIMEOUT_S = 600.0
 
 
@@ -124,9 +133,14 @@ def _died(err: object) -> bool:
 class RunChannel:
     """Plain class (unit-testable without Ray); ``channel_actor_class()`` wraps it as the Ray actor."""
 
-    def __init__(self, run_id: int, first_attempt: int) -> None:
+    def __init__(self, run_id: int, first_attempt: int, owner: str | None = None) -> None:
         self.run_id = run_id
         self.first_attempt = first_attempt
+        self.owner = owner
+        """A standby's scheduler (``host:pid:nonce``), so a restarted one can tell its predecessor's idle standbys."""
+        self._launch: dict[str, Any] | None = None
+        """A standby's adopted launch, until its worker takes it."""
+        self._adopted = False
         self._events: list[dict[str, Any]] = []
         self._stop = False
         self._plan_requests: dict[int, dict[str, Any]] = {}
@@ -165,6 +179,14 @@ class RunChannel:
         """Fire-and-forget from rank 0: start-up timing marks (wall-clock seconds), kept once per name."""
         for name, ts in marks.items():
             self._marks.setdefault(str(name), float(ts))
+
+    def take_launch(self) -> dict[str, Any] | None:
+        """A standby worker's poll: the launch it was adopted for (once), ``{"retire": True}`` after a stop
+        request, else None (keep waiting)."""
+        if self._launch is not None:
+            launch, self._launch = self._launch, None
+            return launch
+        return {"retire": True} if self._stop and not self._adopted else None
 
     def request_plan(self, attempt: int, end: Mapping[str, Any]) -> None:
         """Rank 0 of a diverged attempt asks for an in-place plan (then polls ``get_plan``)."""
@@ -210,6 +232,19 @@ class RunChannel:
     def fit_status(self) -> dict[str, Any]:
         return dict(self._fit)
 
+    def standby_state(self) -> dict[str, Any]:
+        """Whether this is a standby whose worker is waiting (``ready``), and whether a run has adopted it."""
+        return {"ready": "standby_ready" in self._marks and self._fit.get("state") == "running",
+                "adopted": self._adopted, "owner": self.owner}
+
+    def adopt(self, run_id: int, attempt: int, launch: dict[str, Any]) -> None:
+        """Hand this standby's waiting worker a run's launch; from now on the channel is that run's."""
+        if self._adopted:
+            raise RuntimeError(f"standby channel already adopted by run {self.run_id}")
+        self.run_id, self.first_attempt, self._adopted = run_id, attempt, True
+        self._marks["adopted"] = time.time()
+        self._launch = dict(launch)
+
     def marks(self) -> dict[str, float]:
         """The worker group's start-up timing marks, wall-clock seconds by name (``benchmarks/bench_start.py``
         lists them): the channel's own and rank 0's (``workers.entry.start_marker``). Also in every ``poll``."""
@@ -221,6 +256,14 @@ class RunChannel:
     # ------------------------------------------------------------------------------------ the fit
     def start(self, launch: dict[str, Any]) -> None:
         """Run the worker group's ``TorchTrainer.fit`` in a thread of this actor (returns at once)."""
+        self._start(launch)
+
+    def start_standby(self, template: dict[str, Any]) -> None:
+        """Start a standby worker group from ``template`` (a launch without a run: resources and storage); its
+        worker waits for ``adopt``."""
+        self._start({**template, "train_fn": STANDBY_TRAIN_FN, "standby": True})
+
+    def _start(self, launch: dict[str, Any]) -> None:
         if self._thread is not None:
             raise RuntimeError(f"run {self.run_id}: this channel already started its worker group")
         self._fit = {"state": "running", "error": None, "started": time.time()}
@@ -345,15 +388,17 @@ def run_torch_trainer(launch: Mapping[str, Any], channel: Any) -> None:
     resources: dict[str, float] = {"CPU": float(launch["cpus_per_worker"])}
     if launch.get("use_gpu"):
         resources["GPU"] = float(launch.get("gpus_per_worker") or 1.0)
-    trainer = TorchTrainer(
-        train_loop_per_worker,
-        train_loop_config={
+    config: dict[str, Any] = {"marks": channel}
+    if not launch.get("standby"):  # a standby's worker gets the rest from the launch it is adopted for
+        config |= {
             "spec": launch["spec"],
             "sink": ActorSink(channel, attempt=int(launch["attempt"])),
             "checkpoint_uri_prefix": launch["checkpoint_uri_prefix"],
             "storage": launch.get("storage") or {},
-            "marks": channel,
-        },
+        }
+    trainer = TorchTrainer(
+        train_loop_per_worker,
+        train_loop_config=config,
         torch_config=TorchConfig(timeout_s=collective_timeout_s(step_timeout_of(launch))),
         scaling_config=ScalingConfig(
             num_workers=int(launch["num_workers"]),

@@ -122,6 +122,16 @@ class Settings(BaseSettings):
         "`preload_python_modules`): a channel actor or probe that gets one of Ray's prestarted workers starts with "
         "torch loaded. Local Ray only (a cluster's own `ray start` decides there); [] turns it off.",
     )
+    standby_worker_groups: int = Field(
+        default=0, ge=0, le=16,
+        description="Worker groups of the common shape (one worker of `standby_cpus` CPUs, no GPU, no `code`, no "
+        "preflight) the scheduler keeps started ahead of demand, everything imported, so such a run's first step "
+        "comes seconds after its claim instead of after three cold process starts. Each holds its CPUs while it "
+        "waits (they count as free: a run that needs them retires it). 0 turns it off.",
+    )
+    standby_cpus: float = Field(default=1.0, gt=0, le=512,
+                                description="CPUs of a standby worker group's one worker (a run fits it when its "
+                                "`resources.cpus_per_worker` is the same).")
     runtime_env: dict[str, Any] = Field(
         default_factory=dict,
         description="The operator's Ray `runtime_env` (JSON) for every worker group and preflight probe; a "

@@ -138,6 +138,40 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
         raise report_config_error(exc, spec, sink) from exc
 
 
+STANDBY_POLL_S = 0.05
+"""How often a standby worker asks its channel for a launch (a local actor call: ~20 cheap calls a second)."""
+
+
+def standby_loop_per_worker(config: dict[str, Any]) -> None:
+    """Ray Train V2 entry of a **standby** worker group (``RunChannel.start_standby``; one worker): import what an
+    attempt needs, ``torch._dynamo`` included (the first optimizer imports it: seconds in a cold process), mark
+    ``standby_ready``, then wait for the launch a run's claim hands the channel and run it as
+    ``train_loop_per_worker`` would. ``{"retire": True}`` (the standby's CPU is wanted elsewhere) ends it."""
+    import ray
+    import torch._dynamo  # noqa: F401 - the import is the point
+
+    from workers.ray_sink import ActorSink
+
+    channel = config["marks"]
+    try:  # the placement group, so that retiring the standby (a kill) frees its CPUs: see ActorSink._register
+        group = ray.util.get_current_placement_group()
+    except Exception:  # noqa: BLE001 - outside a placement group: nothing to free
+        group = None
+    channel.register_worker.remote({"placement_group": group})
+    channel.add_marks.remote({"standby_ready": time.time()})
+    while (launch := ray.get(channel.take_launch.remote())) is None:
+        time.sleep(STANDBY_POLL_S)
+    if launch.get("retire"):
+        return
+    train_loop_per_worker({
+        "spec": launch["spec"],
+        "sink": ActorSink(channel, attempt=int(launch["attempt"])),
+        "checkpoint_uri_prefix": launch["checkpoint_uri_prefix"],
+        "storage": launch.get("storage") or {},
+        "marks": channel,
+    })
+
+
 def start_marker(channel: Any, entered: float) -> Marker | None:
     """Rank 0's start-up timing marks, sent fire-and-forget to the run's channel actor: ``worker_process`` (when
     this process was created), ``train_loop`` (``entered``: this function was called) and later names by
@@ -173,4 +207,4 @@ def report_config_error(exc: Exception, spec: AttemptSpec, sink: EventSink | Non
 
 
 __all__ = ["EngineConfigError", "next_spec", "report_config_error", "run_attempt", "run_attempts",
-           "train_loop_per_worker"]
+           "standby_loop_per_worker", "train_loop_per_worker"]

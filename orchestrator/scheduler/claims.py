@@ -111,6 +111,15 @@ def lock_run(ctx: Context, s: Session, run_id: int, *conditions: Any) -> bool:
 
 
 # ------------------------------------------------------------------------------------------------- claims
+def free_cpus(ctx: Context) -> float | None:
+    """The cluster's free CPUs as a claim may count them: the launcher's, less those of the worker groups this
+    scheduler launched that Ray has not placed yet (None: unknown)."""
+    free = ctx.launcher.free_cpus()
+    if free is not None:
+        free -= sum(ex.demand_cpus for ex in ctx.executions.values() if not ex.started)
+    return free
+
+
 def claim(ctx: Context) -> None:
     """Claim queued runs (oldest first) while there is room: ``max_concurrent_runs`` and the cluster's CPUs."""
     slots = ctx.settings.max_concurrent_runs - len(ctx.executions)
@@ -127,9 +136,7 @@ def claim(ctx: Context) -> None:
         )
     if not candidates:
         return
-    free = ctx.launcher.free_cpus()
-    if free is not None:
-        free -= sum(ex.demand_cpus for ex in ctx.executions.values() if not ex.started)
+    free = free_cpus(ctx)
     capacity = ctx.launcher.capacity()
     for run_id in candidates:
         if slots <= 0:

@@ -1,6 +1,17 @@
 """How the scheduler reaches the compute: the ``Launcher`` protocol, and ``RayLauncher``, which runs each worker
 group as a ``RunChannel`` actor (``orchestrator.channel``: detached, named in the ``ballast`` namespace) on Ray.
-The fast scheduler tests put a scripted launcher in its place."""
+The fast scheduler tests put a scripted launcher in its place.
+
+**Standby worker groups** (``Settings.standby_worker_groups``, off by default): a worker group's start is three
+cold processes in series (the channel actor, Ray Train's controller, the worker), each importing torch and Ray
+Train: ~30 s on a quiet 2-core machine, most of a short run. ``RayLauncher`` can keep worker groups of the common
+shape (``fits_standby``: one worker of ``standby_cpus`` CPUs, no GPU, no ``code``, no preflight) started ahead of
+demand, their worker waiting with everything imported. A claim that fits takes one (``standby_for``: its name is
+what the attempt records, so a restarted scheduler finds the run's channel as for any other), and the launch hands
+the run to it (``RunChannel.adopt``); a standby serves one run and ends with it, and ``keep_standby`` starts the
+next one while the cluster has CPUs to spare. Their CPUs count as free for claims: a launch that needs them retires
+standbys first. The cost: ``standby_cpus`` per standby held idle, and a Ray Train run directory per standby
+named after it rather than after the run (Ballast's own checkpoints still go under the run's name)."""
 
 from __future__ import annotations
 
@@ -53,19 +64,50 @@ class Launcher(Protocol):
 
     def kill(self, handle: Any) -> None: ...
 
+    def standby_for(self, launch: Mapping[str, Any]) -> str | None:
+        """Reserve a ready standby worker group that can run ``launch``; its channel's name (None: start one)."""
+        ...
+
+    def keep_standby(self, template: Mapping[str, Any], free_cpus: float | None) -> None:
+        """Start standby worker groups from ``template`` up to the configured number, within ``free_cpus``."""
+        ...
+
+
+STANDBY_PREFIX = "ballast-standby-"
+"""Channel names of standby worker groups (an adopted one keeps its name: the attempt records it)."""
+
+
+def fits_standby(launch: Mapping[str, Any], template: Mapping[str, Any]) -> bool:
+    """Whether a standby started from ``template`` can run ``launch``: the same single worker of the same CPUs, no
+    GPU, the same storage, and nothing the standby's processes were not started with (a ``code`` runtime env, a
+    preflight probe before the workers, another train function)."""
+    return (int(launch["num_workers"]) == 1 and not launch.get("use_gpu") and not launch.get("runtime_env")
+            and not launch.get("preflight") and not launch.get("train_fn")
+            and float(launch["cpus_per_worker"]) == float(template["cpus_per_worker"])
+            and launch.get("storage_path") == template.get("storage_path")
+            and launch.get("storage") == template.get("storage"))
+
 
 class RayLauncher:
     """Worker groups as ``RunChannel`` actors (detached, named in the ``ballast`` namespace) on Ray."""
 
-    def __init__(self, settings: Settings) -> None:
+    def __init__(self, settings: Settings, owner: str | None = None) -> None:
         self.settings = settings
+        self.owner = owner
+        """The scheduler's id (``host:pid:nonce``), recorded on its standbys."""
         self._owns_ray = False
+        self._standbys: dict[str, Any] = {}
+        """Standby channels started and not yet handed to a run, by name."""
+        self._reserved: dict[str, Any] = {}
+        """Standbys reserved by ``standby_for``, waiting for their ``launch``."""
+        self._standby_template: dict[str, Any] | None = None
 
     def connect(self) -> None:
         """``settings.ray_address`` if set, else a local Ray; an already initialised Ray is used as it is."""
         import ray
 
         if ray.is_initialized():
+            self._retire_orphaned_standbys()
             return
         os.environ.setdefault("RAY_TRAIN_V2_ENABLED", "1")
         if self.settings.ray_address:
@@ -80,10 +122,13 @@ class RayLauncher:
             ray.init(address="local", num_cpus=self.settings.ray_num_cpus, namespace=NAMESPACE,
                      include_dashboard=False, log_to_driver=False, _system_config=system)
             self._owns_ray = True
+        self._retire_orphaned_standbys()
 
     def shutdown(self) -> None:
         import ray
 
+        for name in list(self._standbys) + list(self._reserved):
+            self._retire(name)
         if self._owns_ray and ray.is_initialized():
             ray.shutdown()
             self._owns_ray = False
@@ -92,7 +137,7 @@ class RayLauncher:
         import ray
 
         resources: dict[str, float] = ray.available_resources()  # type: ignore[no-untyped-call]
-        return float(resources.get("CPU", 0.0))
+        return float(resources.get("CPU", 0.0)) + self._standby_cpus()
 
     def capacity(self) -> dict[str, float] | None:
         """The whole cluster's CPUs and GPUs (busy or not): what a run can ever get, short of an autoscaler."""
@@ -109,6 +154,15 @@ class RayLauncher:
         refusal = self.settings.checkpoint_root_refusal(alive_nodes())
         if refusal is not None:
             raise UnsharedCheckpointRoot(refusal)
+        reserved = self._reserved.pop(name, None)
+        if reserved is not None:
+            try:
+                ray.get(reserved.adopt.remote(run_id, attempt, launch), timeout=60)
+            except Exception:
+                self.kill(reserved)  # whether or not it took the launch, nobody else may: the attempt fails to start
+                raise
+            return reserved
+        self._make_room(float(launch["num_workers"]) * float(launch["cpus_per_worker"]))
         cls = channel_actor_class()
         # the recipe's ``code`` (Ray's runtime_env) is the actor's: its preflight task, the Train controller and
         # the workers inherit it
@@ -121,6 +175,88 @@ class RayLauncher:
         if status.get("state") == "idle":  # get_if_exists found nothing running: this call starts it
             ray.get(handle.start.remote(launch), timeout=60)
         return handle
+
+    # ------------------------------------------------------------------------------- standby groups
+    def standby_for(self, launch: Mapping[str, Any]) -> str | None:
+        import ray
+
+        self._unreserve()
+        if self._standby_template is None or not fits_standby(launch, self._standby_template):
+            return None
+        for name, handle in list(self._standbys.items()):
+            try:
+                state = ray.get(handle.standby_state.remote(), timeout=5)
+            except ray.exceptions.RayError:
+                self._standbys.pop(name, None)  # gone (a failed start): the next keep_standby replaces it
+                continue
+            if state["ready"] and not state["adopted"]:
+                self._reserved[name] = self._standbys.pop(name)
+                return name
+        return None
+
+    def keep_standby(self, template: Mapping[str, Any], free_cpus: float | None) -> None:
+        """Start one standby per call while fewer than ``standby_worker_groups`` wait and the CPUs it holds are
+        spare: ``free_cpus`` (the scheduler's count, launches not yet placed deducted) less the standbys' own."""
+        self._unreserve()
+        wanted = self.settings.standby_worker_groups
+        self._standby_template = dict(template)
+        if len(self._standbys) >= wanted:
+            return
+        cpus = float(template["cpus_per_worker"])
+        if free_cpus is None or free_cpus - self._standby_cpus() < cpus - 1e-9:
+            return
+        import uuid
+
+        name = f"{STANDBY_PREFIX}{uuid.uuid4().hex[:12]}"
+        cls = channel_actor_class()
+        handle = cls.options(name=name, namespace=NAMESPACE, lifetime="detached").remote(0, 0, self.owner)
+        handle.start_standby.remote({**template, "run_name": name})
+        self._standbys[name] = handle
+
+    def _unreserve(self) -> None:
+        """A reservation lasts from ``standby_for`` to the ``launch`` of the same claim: one left over (the claim's
+        transaction failed before the launch) returns to the pool."""
+        self._standbys.update(self._reserved)
+        self._reserved.clear()
+
+    def _standby_cpus(self) -> float:
+        if self._standby_template is None:
+            return 0.0
+        return float(self._standby_template["cpus_per_worker"]) * len(self._standbys)
+
+    def _make_room(self, cpus: float) -> None:
+        """Retire idle standbys until Ray has ``cpus`` available, or none is left (their CPUs counted as free)."""
+        import ray
+
+        while self._standbys:
+            available = float(ray.available_resources().get("CPU", 0.0))  # type: ignore[no-untyped-call]
+            if available >= cpus - 1e-9:
+                return
+            self._retire(next(iter(self._standbys)))
+
+    def _retire(self, name: str) -> None:
+        handle = self._standbys.pop(name, None) or self._reserved.pop(name, None)
+        if handle is not None:
+            self.kill(handle)
+
+    def _retire_orphaned_standbys(self) -> None:
+        """Kill the idle standbys a scheduler on this host left behind when it died (an adopted one is a run's)."""
+        import ray
+        from ray.util import list_named_actors
+
+        from orchestrator.scheduler.claims import owner_is_dead_here
+
+        for entry in list_named_actors(all_namespaces=True):
+            name = str(entry.get("name", ""))
+            if entry.get("namespace") != NAMESPACE or not name.startswith(STANDBY_PREFIX):
+                continue
+            handle = self.attach(name)
+            if handle is None:
+                continue
+            with contextlib.suppress(ray.exceptions.RayError):
+                state = ray.get(handle.standby_state.remote(), timeout=15)
+                if not state["adopted"] and state["owner"] != self.owner and owner_is_dead_here(state["owner"]):
+                    self.kill(handle)
 
     def attach(self, name: str) -> Any | None:
         import ray

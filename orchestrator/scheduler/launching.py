@@ -125,14 +125,8 @@ def _prepare(ctx: Context, s: Session, run_id: int, number: int) -> tuple[str, d
     spec = spec_dict(ctx, s, run, attempt)
     recipe = ctx.recipe(run)
     res = recipe.resources
-    name = f"ballast-r{run.id}-a{number}-{uuid.uuid4().hex[:8]}"
     run_name = f"run-{run.id}-attempt-{number}"
     root = ctx.settings.checkpoint_root
-    attempt.ray_info = {**(attempt.ray_info or {}), "channel": name, "namespace": NAMESPACE, "run_name": run_name,
-                        "storage_path": root, "scheduler": ctx.id}
-    starting = resolve(Situation(Happening.LAUNCHING, run=RunState(run.state)))
-    apply_transitions(session=s, resolution=starting, run=run,
-                      notes={Why.EVENT: Note(f"starting attempt {number}", {"attempt": number})})
     runtime_env = build_runtime_env(recipe.code, ctx.settings)
     doc: dict[str, Any] = {
         "spec": spec,
@@ -154,7 +148,27 @@ def _prepare(ctx: Context, s: Session, run_id: int, number: int) -> tuple[str, d
         doc["preflight"] = {"timeout_s": timeout, "num_cpus": min(1.0, float(res.cpus_per_worker))}
     if ctx.train_fn:
         doc["train_fn"] = ctx.train_fn
+    standby = ctx.launcher.standby_for(doc)  # a worker group started ahead of demand, waiting for a run
+    name = standby or f"ballast-r{run.id}-a{number}-{uuid.uuid4().hex[:8]}"
+    attempt.ray_info = {**(attempt.ray_info or {}), "channel": name, "namespace": NAMESPACE, "run_name": run_name,
+                        "storage_path": root, "scheduler": ctx.id, **({"standby": True} if standby else {})}
+    starting = resolve(Situation(Happening.LAUNCHING, run=RunState(run.state)))
+    apply_transitions(session=s, resolution=starting, run=run,
+                      notes={Why.EVENT: Note(f"starting attempt {number}", {"attempt": number})})
     return name, doc, cpu_demand(recipe)
+
+
+def standby_template(ctx: Context) -> dict[str, Any]:
+    """The launch a standby worker group is started from (``Launcher.keep_standby``): the common shape, one worker
+    of ``standby_cpus`` CPUs, no GPU, this scheduler's checkpoint storage; a run's launch fills in the rest."""
+    return {
+        "storage_path": ctx.settings.checkpoint_root,
+        "storage": ctx.settings.checkpoint_storage().to_dict(),
+        "num_workers": 1,
+        "cpus_per_worker": ctx.settings.standby_cpus,
+        "use_gpu": False,
+        "gpus_per_worker": 0.0,
+    }
 
 
 def verify_manual_resume(s: Session, run: Run, attempt: Attempt, storage: StorageOptions | None = None) -> None:

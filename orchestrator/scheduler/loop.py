@@ -1,7 +1,8 @@
 """The scheduler's loop: ``Scheduler.tick()`` is one pass; ``start()``/``stop()`` run it in a background thread
 (``ballast serve``), ``run_forever()`` in the foreground (``ballast scheduler``, ``python -m
 orchestrator.scheduler``). Each tick renews the leases of the runs it drives, services their worker groups,
-adopts orphaned runs now and then, and claims queued runs while there is room."""
+adopts orphaned runs now and then, claims queued runs while there is room, and keeps the configured standby worker
+groups started (``orchestrator.scheduler.launcher``)."""
 
 from __future__ import annotations
 
@@ -14,9 +15,10 @@ from collections.abc import Callable
 from sqlalchemy.orm import Session, sessionmaker
 
 from orchestrator.scheduler.adoption import reconcile
-from orchestrator.scheduler.claims import claim, default_scheduler_id, release_leases, renew_leases
+from orchestrator.scheduler.claims import claim, default_scheduler_id, free_cpus, release_leases, renew_leases
 from orchestrator.scheduler.context import Context
 from orchestrator.scheduler.launcher import Launcher, RayLauncher
+from orchestrator.scheduler.launching import standby_template
 from orchestrator.scheduler.outage import OutageLog, is_outage
 from orchestrator.scheduler.service import service_all
 from orchestrator.scheduler.signals import reclaim_signals, stop_on_signals
@@ -38,11 +40,12 @@ class Scheduler:
         lease_seconds: float | None = None,
         train_fn: str | None = None,
     ) -> None:
+        scheduler_id = scheduler_id or default_scheduler_id()
         self.ctx = Context(
             settings=settings,
             sf=session_factory,
-            id=scheduler_id or default_scheduler_id(),
-            launcher=launcher if launcher is not None else RayLauncher(settings),
+            id=scheduler_id,
+            launcher=launcher if launcher is not None else RayLauncher(settings, scheduler_id),
             lease_seconds=lease_seconds or max(30.0, 20 * settings.scheduler_poll_seconds),
             train_fn=train_fn,
         )
@@ -160,6 +163,8 @@ class Scheduler:
             reconcile(self.ctx)
             self._next_reconcile = now + max(1.0, self.ctx.lease_seconds / 3)
         claim(self.ctx)
+        if self.ctx.settings.standby_worker_groups:
+            self.ctx.launcher.keep_standby(standby_template(self.ctx), free_cpus(self.ctx))
 
 
 def main(settings: Settings | None = None) -> None:

@@ -341,6 +341,7 @@ def test_config_becomes_ballast_settings_on_api_and_scheduler(ci_render: Rendere
     for component in BALLAST_WORKLOADS:
         env = env_of(container(ci_render.deployment(component)))
         assert env["BALLAST_MAX_CONCURRENT_RUNS"]["value"] == "4"
+        assert env["BALLAST_STANDBY_WORKER_GROUPS"]["value"] == "1"
         assert env["BALLAST_ALLOWED_IMPORT_MODULES"]["value"] == "mylab.models,mylab.data"
         # unset config keys stay unset: the code's defaults apply
         assert "BALLAST_SCHEDULER_POLL_SECONDS" not in env

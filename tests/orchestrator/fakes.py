@@ -141,6 +141,12 @@ class FakeLauncher:
     def kill(self, handle: FakeChannel) -> None:
         handle.killed = True
 
+    def standby_for(self, launch: Mapping[str, Any]) -> str | None:
+        return None  # no standby worker groups: the Ray launcher's are tested against Ray
+
+    def keep_standby(self, template: Mapping[str, Any], free_cpus: float | None) -> None:
+        return None
+
     def of_run(self, run_id: int) -> list[FakeChannel]:
         return [c for c in self.launches if c.run_id == run_id]
 

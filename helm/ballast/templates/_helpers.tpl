@@ -150,6 +150,10 @@ Client server on the head, ray://<cluster>-head-svc:10001. KubeRay names the hea
 - name: BALLAST_METRICS_EVERY_STEPS
   value: {{ .metricsEverySteps | quote }}
 {{- end }}
+{{- if not (kindIs "invalid" .standbyWorkerGroups) }}
+- name: BALLAST_STANDBY_WORKER_GROUPS
+  value: {{ .standbyWorkerGroups | quote }}
+{{- end }}
 {{- if .allowedImportModules }}
 - name: BALLAST_ALLOWED_IMPORT_MODULES
   value: {{ join "," .allowedImportModules | quote }}

@@ -1,0 +1,194 @@
+"""Standby worker groups (``Settings.standby_worker_groups``): a worker group of the common shape started ahead of
+demand, handed to the first run that fits it.
+
+The matching rule and the channel's adoption bookkeeping are plain code; the rest runs on the session's Ray with
+the real scheduler and Ray Train workers: a run that fits trains (and rolls back in place) on the standby, a run
+that does not fit retires it for its CPUs, and a dead scheduler's idle standby is cleaned up by the next one.
+"""
+
+from __future__ import annotations
+
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from sqlalchemy.orm import Session, sessionmaker
+
+import migrations
+from orchestrator.channel import NAMESPACE, RunChannel, channel_actor_class
+from orchestrator.scheduler import RayLauncher, Scheduler
+from orchestrator.scheduler.launcher import STANDBY_PREFIX, fits_standby
+from orchestrator.settings import Settings
+from orchestrator.store.db import make_engine, make_session_factory, transaction
+from orchestrator.store.models import Run
+from tests.orchestrator.test_scheduler_e2e import attempts_of, drive, steps_of, submit, tiny_recipe
+
+TEMPLATE: dict[str, Any] = {"storage_path": "/ckpt", "storage": {}, "num_workers": 1, "cpus_per_worker": 1.0,
+                            "use_gpu": False, "gpus_per_worker": 0.0}
+
+
+@pytest.mark.parametrize(("change", "fits"), [
+    ({}, True),
+    ({"num_workers": 2}, False),
+    ({"cpus_per_worker": 2.0}, False),
+    ({"use_gpu": True}, False),
+    ({"runtime_env": {"py_modules": ["gcs://x.zip"]}}, False),
+    ({"preflight": {"timeout_s": 300.0}}, False),
+    ({"train_fn": "tests.fn:loop"}, False),
+    ({"storage_path": "/elsewhere"}, False),
+    ({"storage": {"endpoint_url": "http://minio"}}, False),
+])
+def test_a_launch_fits_a_standby_only_when_the_standby_was_started_for_it(change: dict[str, Any], fits: bool) -> None:
+    launch = {**TEMPLATE, "spec": {}, "attempt": 1, "run_name": "run-1-attempt-1", **change}
+    assert fits_standby(launch, TEMPLATE) is fits
+
+
+def test_an_adopted_standby_hands_its_worker_the_launch_once() -> None:
+    ch = RunChannel(0, 0, owner="host:1:abc")
+    assert ch.take_launch() is None  # nothing yet: the worker keeps waiting
+    assert ch.standby_state() == {"ready": False, "adopted": False, "owner": "host:1:abc"}
+    ch.adopt(7, 2, {"attempt": 2, "spec": {"x": 1}})
+    assert (ch.run_id, ch.first_attempt) == (7, 2)
+    assert ch.take_launch() == {"attempt": 2, "spec": {"x": 1}}
+    assert ch.take_launch() is None
+    assert ch.standby_state()["adopted"] is True
+    with pytest.raises(RuntimeError, match="already adopted"):
+        ch.adopt(8, 1, {})
+
+
+def test_a_stop_request_retires_a_waiting_standby_but_not_an_adopted_one() -> None:
+    idle = RunChannel(0, 0)
+    idle.request_stop()
+    assert idle.take_launch() == {"retire": True}
+    adopted = RunChannel(0, 0)
+    adopted.adopt(1, 1, {"attempt": 1})
+    adopted.take_launch()
+    adopted.request_stop()  # the run's cancel: its workers see should_stop, the standby loop is long gone
+    assert adopted.take_launch() is None
+
+
+# --------------------------------------------------------------------------------------------- on Ray
+@pytest.fixture
+def standby_store(tmp_path: Path) -> Iterator[tuple[Settings, sessionmaker[Session]]]:
+    settings = Settings(home=tmp_path, database_url=f"sqlite:///{tmp_path / 'ballast.db'}",
+                        checkpoint_root=str(tmp_path / "checkpoints"), scheduler_poll_seconds=0.3,
+                        max_concurrent_runs=2, standby_worker_groups=1)
+    migrations.upgrade(settings.database_url)
+    engine = make_engine(settings.database_url)
+    yield settings, make_session_factory(engine)
+    engine.dispose()
+
+
+def ready_standbys(launcher: RayLauncher) -> list[str]:
+    import ray
+
+    return [name for name, handle in launcher._standbys.items()
+            if ray.get(handle.standby_state.remote(), timeout=30)["ready"]]
+
+
+def gone_soon(name: str) -> bool:
+    """The named actor is gone (``ray.kill`` takes a moment to unregister the name)."""
+    import ray
+
+    deadline = time.monotonic() + 60.0
+    while time.monotonic() < deadline:
+        try:
+            ray.get_actor(name, namespace=NAMESPACE)
+        except ValueError:
+            return True
+        time.sleep(0.2)
+    return False
+
+
+def tick_until_a_standby_is_ready(scheduler: Scheduler) -> str:
+    deadline = time.monotonic() + 300.0
+    while time.monotonic() < deadline:
+        scheduler.tick()
+        if ready := ready_standbys(scheduler.ctx.launcher):  # type: ignore[arg-type]
+            return ready[0]
+        time.sleep(0.3)
+    raise AssertionError("no standby became ready")
+
+
+@pytest.mark.ray
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_a_run_that_fits_trains_on_the_standby_rolls_back_in_place_and_a_new_standby_starts_behind_it(
+    ray_cluster: Any, standby_store: tuple[Settings, sessionmaker[Session]]
+) -> None:
+    settings, factory = standby_store
+    scheduler = Scheduler(settings, factory)
+    try:
+        standby = tick_until_a_standby_is_ready(scheduler)
+        doc = tiny_recipe(name="on-standby", training={"max_steps": 40},
+                          faults=[{"type": "grad_scale", "step": 25, "factor": 1e4, "attempt": 1}])
+        run_id = submit(factory, doc)
+        drive(scheduler, factory, run_id)
+
+        with transaction(factory) as s:
+            run = s.get(Run, run_id)
+            assert run is not None and run.state == "succeeded", run.reason if run else None
+        first, second = attempts_of(factory, run_id)
+        assert first.ray_info["channel"] == standby and first.ray_info["standby"] is True
+        assert (first.state, first.onset_step) == ("diverged", 25)
+        # the rollback ran in the same (standby) worker group, from the newest healthy checkpoint
+        assert second.ray_info.get("in_place") is True and second.state == "succeeded"
+        assert steps_of(factory, second.id) == list(range(second.resume_step, 40))
+        assert steps_of(factory, first.id)[:3] == [0, 1, 2]
+        # a new standby took the freed CPU's place, under another name
+        assert scheduler.ctx.launcher._standbys  # type: ignore[attr-defined]
+        assert standby not in scheduler.ctx.launcher._standbys  # type: ignore[attr-defined]
+    finally:
+        scheduler.ctx.launcher.shutdown()
+
+
+@pytest.mark.ray
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_a_run_that_does_not_fit_retires_the_standby_for_its_cpus(
+    ray_cluster: Any, standby_store: tuple[Settings, sessionmaker[Session]]
+) -> None:
+
+    settings, factory = standby_store
+    scheduler = Scheduler(settings, factory)
+    try:
+        standby = tick_until_a_standby_is_ready(scheduler)
+        # two workers of one CPU each on the 2-CPU Ray: only if the standby gives its CPU back
+        run_id = submit(factory, tiny_recipe(name="two-workers", resources={"num_workers": 2}))
+        scheduler.tick()  # the claim: the standby's CPU counts as free, and the launch retires it
+        assert gone_soon(standby)
+        drive(scheduler, factory, run_id)
+        (attempt,) = attempts_of(factory, run_id)
+        assert attempt.state == "succeeded" and "standby" not in attempt.ray_info
+        assert not attempt.ray_info["channel"].startswith(STANDBY_PREFIX)
+    finally:
+        scheduler.ctx.launcher.shutdown()
+
+
+@pytest.mark.ray
+def test_an_idle_standby_of_a_dead_scheduler_is_retired_by_the_next_one(ray_cluster: Any, tmp_path: Path) -> None:
+    import ray
+
+    # a scheduler id of this host whose process has exited
+    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True,
+                          check=True)
+    dead_owner = f"{socket.gethostname()}:{int(gone.stdout)}:dead"
+    cls = channel_actor_class()
+    orphan = f"{STANDBY_PREFIX}orphan-test"
+    adopted = f"{STANDBY_PREFIX}adopted-test"
+    h1 = cls.options(name=orphan, namespace=NAMESPACE, lifetime="detached").remote(0, 0, dead_owner)
+    h2 = cls.options(name=adopted, namespace=NAMESPACE, lifetime="detached").remote(0, 0, dead_owner)
+    ray.get(h2.adopt.remote(5, 1, {"attempt": 1}))  # a run's channel now: never touched
+    try:
+        RayLauncher(Settings(home=tmp_path, standby_worker_groups=1)).connect()
+        assert gone_soon(orphan)
+        ref: Any = ray.get_actor(adopted, namespace=NAMESPACE).standby_state.remote()
+        assert ray.get(ref)["adopted"] is True
+    finally:
+        for h in (h1, h2):
+            ray.kill(h, no_restart=True)
