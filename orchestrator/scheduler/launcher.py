@@ -16,6 +16,7 @@ named after it rather than after the run (Ballast's own checkpoints still go und
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 from collections.abc import Mapping
 from typing import Any, Protocol
@@ -23,6 +24,8 @@ from typing import Any, Protocol
 from contracts.wire import one_line
 from orchestrator.channel import NAMESPACE, channel_actor_class
 from orchestrator.settings import Settings
+
+log = logging.getLogger("ballast.scheduler")
 
 
 class ChannelLost(Exception):
@@ -198,6 +201,7 @@ class RayLauncher:
         """Start one standby per call while fewer than ``standby_worker_groups`` wait and the CPUs it holds are
         spare: ``free_cpus`` (the scheduler's count, launches not yet placed deducted) less the standbys' own."""
         self._unreserve()
+        self._prune_standbys()
         wanted = self.settings.standby_worker_groups
         self._standby_template = dict(template)
         if len(self._standbys) >= wanted:
@@ -212,6 +216,24 @@ class RayLauncher:
         handle = cls.options(name=name, namespace=NAMESPACE, lifetime="detached").remote(0, 0, self.owner)
         handle.start_standby.remote({**template, "run_name": name})
         self._standbys[name] = handle
+
+    def _prune_standbys(self) -> None:
+        """Drop the standbys that can no longer take a run (the actor died, the worker group's start failed), so
+        ``keep_standby`` replaces them; a failed start is logged with Ray's error."""
+        import ray
+
+        for name, handle in list(self._standbys.items()):
+            try:
+                fit: dict[str, Any] = ray.get(handle.fit_status.remote(), timeout=5)
+            except ray.exceptions.GetTimeoutError:
+                continue  # busy: ask again next tick
+            except ray.exceptions.RayError as exc:
+                fit = {"state": "lost", "error": one_line(exc)}
+            if fit.get("state") in ("running", "idle"):
+                continue
+            log.warning("standby worker group %s ended before a run took it (%s): %s", name, fit.get("state"),
+                        one_line(str(fit.get("error") or "")))
+            self._retire(name)
 
     def _unreserve(self) -> None:
         """A reservation lasts from ``standby_for`` to the ``launch`` of the same claim: one left over (the claim's

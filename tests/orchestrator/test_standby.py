@@ -171,6 +171,32 @@ def test_a_run_that_does_not_fit_retires_the_standby_for_its_cpus(
 
 
 @pytest.mark.ray
+@pytest.mark.timeout(600)
+def test_a_standby_that_dies_while_it_waits_is_replaced(
+    ray_cluster: Any, standby_store: tuple[Settings, sessionmaker[Session]]
+) -> None:
+    import ray
+
+    settings, factory = standby_store
+    scheduler = Scheduler(settings, factory)
+    launcher = scheduler.ctx.launcher
+    assert isinstance(launcher, RayLauncher)
+    try:
+        dead = tick_until_a_standby_is_ready(scheduler)
+        ray.kill(launcher._standbys[dead], no_restart=True)  # its process is gone, as in a node failure
+        deadline = time.monotonic() + 60.0
+        while dead in launcher._standbys or not launcher._standbys:
+            assert time.monotonic() < deadline, "the dead standby was not replaced"
+            scheduler.tick()
+            time.sleep(0.3)
+        # and a run that fits is not handed to the dead one
+        assert launcher.standby_for({**TEMPLATE, "storage_path": settings.checkpoint_root,
+                                     "storage": settings.checkpoint_storage().to_dict()}) != dead
+    finally:
+        launcher.shutdown()
+
+
+@pytest.mark.ray
 def test_an_idle_standby_of_a_dead_scheduler_is_retired_by_the_next_one(ray_cluster: Any, tmp_path: Path) -> None:
     import ray
 
