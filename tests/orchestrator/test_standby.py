@@ -13,6 +13,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -73,22 +74,47 @@ def test_a_stop_request_retires_a_waiting_standby_but_not_an_adopted_one() -> No
 
 
 # --------------------------------------------------------------------------------------------- on Ray
+@dataclass
+class Standing:
+    """A scheduler with one standby worker group ready (``standby``: its channel's name)."""
+
+    settings: Settings
+    factory: sessionmaker[Session]
+    scheduler: Scheduler
+    launcher: RayLauncher
+    standby: str
+
+
 @pytest.fixture
-def standby_store(tmp_path: Path) -> Iterator[tuple[Settings, sessionmaker[Session]]]:
+def standing(ray_cluster: Any, tmp_path: Path) -> Iterator[Standing]:
     settings = Settings(home=tmp_path, database_url=f"sqlite:///{tmp_path / 'ballast.db'}",
                         checkpoint_root=str(tmp_path / "checkpoints"), scheduler_poll_seconds=0.3,
                         max_concurrent_runs=2, standby_worker_groups=1)
     migrations.upgrade(settings.database_url)
     engine = make_engine(settings.database_url)
-    yield settings, make_session_factory(engine)
-    engine.dispose()
+    factory = make_session_factory(engine)
+    scheduler = Scheduler(settings, factory)
+    launcher = scheduler.ctx.launcher
+    assert isinstance(launcher, RayLauncher)
+    try:
+        standby = tick_until_a_standby_is_ready(scheduler, launcher)
+        yield Standing(settings, factory, scheduler, launcher, standby)
+    finally:
+        launcher.shutdown()  # the standbys are detached actors: they outlive a scheduler that is not stopped
+        engine.dispose()
 
 
-def ready_standbys(launcher: RayLauncher) -> list[str]:
+def tick_until_a_standby_is_ready(scheduler: Scheduler, launcher: RayLauncher) -> str:
     import ray
 
-    return [name for name, handle in launcher._standbys.items()
-            if ray.get(handle.standby_state.remote(), timeout=30)["ready"]]
+    deadline = time.monotonic() + 300.0
+    while time.monotonic() < deadline:
+        scheduler.tick()
+        for name, handle in launcher._standbys.items():
+            if ray.get(handle.standby_state.remote(), timeout=30)["ready"]:
+                return name
+        time.sleep(0.3)
+    raise AssertionError("no standby became ready")
 
 
 def gone_soon(name: str) -> bool:
@@ -105,95 +131,62 @@ def gone_soon(name: str) -> bool:
     return False
 
 
-def tick_until_a_standby_is_ready(scheduler: Scheduler) -> str:
-    deadline = time.monotonic() + 300.0
-    while time.monotonic() < deadline:
-        scheduler.tick()
-        if ready := ready_standbys(scheduler.ctx.launcher):  # type: ignore[arg-type]
-            return ready[0]
-        time.sleep(0.3)
-    raise AssertionError("no standby became ready")
-
-
 @pytest.mark.ray
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_a_run_that_fits_trains_on_the_standby_rolls_back_in_place_and_a_new_standby_starts_behind_it(
-    ray_cluster: Any, standby_store: tuple[Settings, sessionmaker[Session]]
+    standing: Standing,
 ) -> None:
-    settings, factory = standby_store
-    scheduler = Scheduler(settings, factory)
-    try:
-        standby = tick_until_a_standby_is_ready(scheduler)
-        doc = tiny_recipe(name="on-standby", training={"max_steps": 40},
-                          faults=[{"type": "grad_scale", "step": 25, "factor": 1e4, "attempt": 1}])
-        run_id = submit(factory, doc)
-        drive(scheduler, factory, run_id)
+    factory = standing.factory
+    doc = tiny_recipe(name="on-standby", training={"max_steps": 40},
+                      faults=[{"type": "grad_scale", "step": 25, "factor": 1e4, "attempt": 1}])
+    run_id = submit(factory, doc)
+    drive(standing.scheduler, factory, run_id)
 
-        with transaction(factory) as s:
-            run = s.get(Run, run_id)
-            assert run is not None and run.state == "succeeded", run.reason if run else None
-        first, second = attempts_of(factory, run_id)
-        assert first.ray_info["channel"] == standby and first.ray_info["standby"] is True
-        assert (first.state, first.onset_step) == ("diverged", 25)
-        # the rollback ran in the same (standby) worker group, from the newest healthy checkpoint
-        assert second.ray_info.get("in_place") is True and second.state == "succeeded"
-        assert steps_of(factory, second.id) == list(range(second.resume_step, 40))
-        assert steps_of(factory, first.id)[:3] == [0, 1, 2]
-        # a new standby took the freed CPU's place, under another name
-        assert scheduler.ctx.launcher._standbys  # type: ignore[attr-defined]
-        assert standby not in scheduler.ctx.launcher._standbys  # type: ignore[attr-defined]
-    finally:
-        scheduler.ctx.launcher.shutdown()
+    with transaction(factory) as s:
+        run = s.get(Run, run_id)
+        assert run is not None and run.state == "succeeded", run.reason if run else None
+    first, second = attempts_of(factory, run_id)
+    assert first.ray_info["channel"] == standing.standby and first.ray_info["standby"] is True
+    assert (first.state, first.onset_step) == ("diverged", 25)
+    # the rollback ran in the same (standby) worker group, from the newest healthy checkpoint
+    assert second.ray_info.get("in_place") is True and second.state == "succeeded"
+    assert steps_of(factory, second.id) == list(range(second.resume_step, 40))
+    assert steps_of(factory, first.id)[:3] == [0, 1, 2]
+    # a new standby took the freed CPU's place, under another name
+    assert standing.launcher._standbys and standing.standby not in standing.launcher._standbys
 
 
 @pytest.mark.ray
 @pytest.mark.slow
 @pytest.mark.timeout(600)
-def test_a_run_that_does_not_fit_retires_the_standby_for_its_cpus(
-    ray_cluster: Any, standby_store: tuple[Settings, sessionmaker[Session]]
-) -> None:
-
-    settings, factory = standby_store
-    scheduler = Scheduler(settings, factory)
-    try:
-        standby = tick_until_a_standby_is_ready(scheduler)
-        # two workers of one CPU each on the 2-CPU Ray: only if the standby gives its CPU back
-        run_id = submit(factory, tiny_recipe(name="two-workers", resources={"num_workers": 2}))
-        scheduler.tick()  # the claim: the standby's CPU counts as free, and the launch retires it
-        assert gone_soon(standby)
-        drive(scheduler, factory, run_id)
-        (attempt,) = attempts_of(factory, run_id)
-        assert attempt.state == "succeeded" and "standby" not in attempt.ray_info
-        assert not attempt.ray_info["channel"].startswith(STANDBY_PREFIX)
-    finally:
-        scheduler.ctx.launcher.shutdown()
+def test_a_run_that_does_not_fit_retires_the_standby_for_its_cpus(standing: Standing) -> None:
+    # two workers of one CPU each on the 2-CPU Ray: only if the standby gives its CPU back
+    run_id = submit(standing.factory, tiny_recipe(name="two-workers", resources={"num_workers": 2}))
+    standing.scheduler.tick()  # the claim: the standby's CPU counts as free, and the launch retires it
+    assert gone_soon(standing.standby)
+    drive(standing.scheduler, standing.factory, run_id)
+    (attempt,) = attempts_of(standing.factory, run_id)
+    assert attempt.state == "succeeded" and "standby" not in attempt.ray_info
+    assert not attempt.ray_info["channel"].startswith(STANDBY_PREFIX)
 
 
 @pytest.mark.ray
 @pytest.mark.timeout(600)
-def test_a_standby_that_dies_while_it_waits_is_replaced(
-    ray_cluster: Any, standby_store: tuple[Settings, sessionmaker[Session]]
-) -> None:
+def test_a_standby_that_dies_while_it_waits_is_replaced(standing: Standing) -> None:
     import ray
 
-    settings, factory = standby_store
-    scheduler = Scheduler(settings, factory)
-    launcher = scheduler.ctx.launcher
-    assert isinstance(launcher, RayLauncher)
-    try:
-        dead = tick_until_a_standby_is_ready(scheduler)
-        ray.kill(launcher._standbys[dead], no_restart=True)  # its process is gone, as in a node failure
-        deadline = time.monotonic() + 60.0
-        while dead in launcher._standbys or not launcher._standbys:
-            assert time.monotonic() < deadline, "the dead standby was not replaced"
-            scheduler.tick()
-            time.sleep(0.3)
-        # and a run that fits is not handed to the dead one
-        assert launcher.standby_for({**TEMPLATE, "storage_path": settings.checkpoint_root,
-                                     "storage": settings.checkpoint_storage().to_dict()}) != dead
-    finally:
-        launcher.shutdown()
+    launcher, dead = standing.launcher, standing.standby
+    ray.kill(launcher._standbys[dead], no_restart=True)  # its process is gone, as in a node failure
+    deadline = time.monotonic() + 60.0
+    while dead in launcher._standbys or not launcher._standbys:
+        assert time.monotonic() < deadline, "the dead standby was not replaced"
+        standing.scheduler.tick()
+        time.sleep(0.3)
+    # and a run that fits is not handed to the dead one
+    settings = standing.settings
+    assert launcher.standby_for({**TEMPLATE, "storage_path": settings.checkpoint_root,
+                                 "storage": settings.checkpoint_storage().to_dict()}) != dead
 
 
 @pytest.mark.ray
