@@ -141,6 +141,8 @@ class RunChannel:
         self._launch: dict[str, Any] | None = None
         """A standby's adopted launch, until its worker takes it."""
         self._adopted = False
+        self._touched = time.monotonic()
+        """When a standby's scheduler last asked after it (``touch``): an idle standby nobody touches is orphaned."""
         self._events: list[dict[str, Any]] = []
         self._stop = False
         self._plan_requests: dict[int, dict[str, Any]] = {}
@@ -233,9 +235,15 @@ class RunChannel:
         return dict(self._fit)
 
     def standby_state(self) -> dict[str, Any]:
-        """Whether this is a standby whose worker is waiting (``ready``), and whether a run has adopted it."""
+        """Whether this is a standby whose worker is waiting (``ready``), whether a run has adopted it, its
+        scheduler, and how long since that scheduler last touched it."""
         return {"ready": "standby_ready" in self._marks and self._fit.get("state") == "running",
-                "adopted": self._adopted, "owner": self.owner}
+                "adopted": self._adopted, "owner": self.owner, "untouched_s": time.monotonic() - self._touched}
+
+    def touch(self) -> dict[str, Any]:
+        """A standby's scheduler, every tick: still wanted. Returns the fit's state."""
+        self._touched = time.monotonic()
+        return dict(self._fit)
 
     def adopt(self, run_id: int, attempt: int, launch: dict[str, Any]) -> None:
         """Hand this standby's waiting worker a run's launch; from now on the channel is that run's."""

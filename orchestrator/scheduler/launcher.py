@@ -10,14 +10,17 @@ demand, their worker waiting with everything imported. A claim that fits takes o
 what the attempt records, so a restarted scheduler finds the run's channel as for any other), and the launch hands
 the run to it (``RunChannel.adopt``); a standby serves one run and ends with it, and ``keep_standby`` starts the
 next one while the cluster has CPUs to spare. Their CPUs count as free for claims: a launch that needs them retires
-standbys first. The cost: ``standby_cpus`` per standby held idle, and a Ray Train run directory per standby
-named after it rather than after the run (Ballast's own checkpoints still go under the run's name)."""
+standbys first. A standby whose scheduler is gone (a process of this host that exited, or no touch from any
+scheduler for ``ORPHAN_S``) is retired by the next scheduler that looks. The cost: ``standby_cpus`` per standby
+held idle, and a Ray Train run directory per standby named after it rather than after the run (Ballast's own
+checkpoints still go under the run's name)."""
 
 from __future__ import annotations
 
 import contextlib
 import logging
 import os
+import time
 from collections.abc import Mapping
 from typing import Any, Protocol
 
@@ -94,6 +97,12 @@ def fits_standby(launch: Mapping[str, Any], template: Mapping[str, Any]) -> bool
 class RayLauncher:
     """Worker groups as ``RunChannel`` actors (detached, named in the ``ballast`` namespace) on Ray."""
 
+    ORPHAN_S = 120.0
+    """An idle standby that no scheduler has touched for this long is orphaned (its scheduler touches it every
+    tick)."""
+    ORPHAN_SCAN_S = 60.0
+    """How often a scheduler that keeps standbys looks for orphaned ones."""
+
     def __init__(self, settings: Settings, owner: str | None = None) -> None:
         self.settings = settings
         self.owner = owner
@@ -104,6 +113,7 @@ class RayLauncher:
         self._reserved: dict[str, Any] = {}
         """Standbys reserved by ``standby_for``, waiting for their ``launch``."""
         self._standby_template: dict[str, Any] | None = None
+        self._next_orphan_scan = 0.0
 
     def connect(self) -> None:
         """``settings.ray_address`` if set, else a local Ray; an already initialised Ray is used as it is."""
@@ -202,6 +212,8 @@ class RayLauncher:
         spare: ``free_cpus`` (the scheduler's count, launches not yet placed deducted) less the standbys' own."""
         self._unreserve()
         self._prune_standbys()
+        if time.monotonic() >= self._next_orphan_scan:
+            self._retire_orphaned_standbys()
         wanted = self.settings.standby_worker_groups
         self._standby_template = dict(template)
         if len(self._standbys) >= wanted:
@@ -224,7 +236,7 @@ class RayLauncher:
 
         for name, handle in list(self._standbys.items()):
             try:
-                fit: dict[str, Any] = ray.get(handle.fit_status.remote(), timeout=5)
+                fit: dict[str, Any] = ray.get(handle.touch.remote(), timeout=5)
             except ray.exceptions.GetTimeoutError:
                 continue  # busy: ask again next tick
             except ray.exceptions.RayError as exc:
@@ -262,22 +274,32 @@ class RayLauncher:
             self.kill(handle)
 
     def _retire_orphaned_standbys(self) -> None:
-        """Kill the idle standbys a scheduler on this host left behind when it died (an adopted one is a run's)."""
+        """Kill the idle standbys whose scheduler is gone: one on this host whose process has exited, or any that
+        no scheduler has touched for ``ORPHAN_S`` (its scheduler ran elsewhere: a pod that was replaced). An adopted
+        one is a run's channel and is left alone. Runs at connect, then every ``ORPHAN_SCAN_S`` while standbys are
+        kept."""
         import ray
         from ray.util import list_named_actors
 
         from orchestrator.scheduler.claims import owner_is_dead_here
 
+        self._next_orphan_scan = time.monotonic() + self.ORPHAN_SCAN_S
         for entry in list_named_actors(all_namespaces=True):
             name = str(entry.get("name", ""))
             if entry.get("namespace") != NAMESPACE or not name.startswith(STANDBY_PREFIX):
+                continue
+            if name in self._standbys or name in self._reserved:
                 continue
             handle = self.attach(name)
             if handle is None:
                 continue
             with contextlib.suppress(ray.exceptions.RayError):
                 state = ray.get(handle.standby_state.remote(), timeout=15)
-                if not state["adopted"] and state["owner"] != self.owner and owner_is_dead_here(state["owner"]):
+                owner = state["owner"]
+                if state["adopted"] or owner == self.owner:
+                    continue
+                if owner_is_dead_here(owner) or state["untouched_s"] > self.ORPHAN_S:
+                    log.info("retiring standby worker group %s, left by scheduler %s", name, owner)
                     self.kill(handle)
 
     def attach(self, name: str) -> Any | None:

@@ -52,7 +52,8 @@ def test_a_launch_fits_a_standby_only_when_the_standby_was_started_for_it(change
 def test_an_adopted_standby_hands_its_worker_the_launch_once() -> None:
     ch = RunChannel(0, 0, owner="host:1:abc")
     assert ch.take_launch() is None  # nothing yet: the worker keeps waiting
-    assert ch.standby_state() == {"ready": False, "adopted": False, "owner": "host:1:abc"}
+    state = ch.standby_state()
+    assert (state["ready"], state["adopted"], state["owner"]) == (False, False, "host:1:abc")
     ch.adopt(7, 2, {"attempt": 2, "spec": {"x": 1}})
     assert (ch.run_id, ch.first_attempt) == (7, 2)
     assert ch.take_launch() == {"attempt": 2, "spec": {"x": 1}}
@@ -60,6 +61,14 @@ def test_an_adopted_standby_hands_its_worker_the_launch_once() -> None:
     assert ch.standby_state()["adopted"] is True
     with pytest.raises(RuntimeError, match="already adopted"):
         ch.adopt(8, 1, {})
+
+
+def test_a_touch_resets_the_time_a_standby_has_gone_untouched() -> None:
+    ch = RunChannel(0, 0, owner="host:1:abc")
+    ch._touched -= 150.0  # as if its scheduler last asked 150 s ago
+    assert ch.standby_state()["untouched_s"] >= 150.0
+    assert ch.touch() == {"state": "idle", "error": None}  # the fit's state, for the scheduler's pruning
+    assert ch.standby_state()["untouched_s"] < 150.0
 
 
 def test_a_stop_request_retires_a_waiting_standby_but_not_an_adopted_one() -> None:
@@ -190,24 +199,34 @@ def test_a_standby_that_dies_while_it_waits_is_replaced(standing: Standing) -> N
 
 
 @pytest.mark.ray
-def test_an_idle_standby_of_a_dead_scheduler_is_retired_by_the_next_one(ray_cluster: Any, tmp_path: Path) -> None:
+def test_an_idle_standby_of_a_gone_scheduler_is_retired_and_an_adopted_one_is_not(
+    ray_cluster: Any, tmp_path: Path
+) -> None:
     import ray
 
-    # a scheduler id of this host whose process has exited
+    # a scheduler id of this host whose process has exited, and one of another host (a replaced pod)
     gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True,
                           check=True)
-    dead_owner = f"{socket.gethostname()}:{int(gone.stdout)}:dead"
+    dead_here = f"{socket.gethostname()}:{int(gone.stdout)}:dead"
+    elsewhere = "another-host:1:alive-or-not"
     cls = channel_actor_class()
-    orphan = f"{STANDBY_PREFIX}orphan-test"
-    adopted = f"{STANDBY_PREFIX}adopted-test"
-    h1 = cls.options(name=orphan, namespace=NAMESPACE, lifetime="detached").remote(0, 0, dead_owner)
-    h2 = cls.options(name=adopted, namespace=NAMESPACE, lifetime="detached").remote(0, 0, dead_owner)
-    ray.get(h2.adopt.remote(5, 1, {"attempt": 1}))  # a run's channel now: never touched
+    made = {name: cls.options(name=f"{STANDBY_PREFIX}{name}", namespace=NAMESPACE, lifetime="detached")
+            .remote(0, 0, owner) for name, owner in
+            [("dead-here", dead_here), ("elsewhere", elsewhere), ("adopted", dead_here)]}
+    ray.get(made["adopted"].adopt.remote(5, 1, {"attempt": 1}))  # a run's channel now: never touched
     try:
-        RayLauncher(Settings(home=tmp_path, standby_worker_groups=1)).connect()
-        assert gone_soon(orphan)
-        ref: Any = ray.get_actor(adopted, namespace=NAMESPACE).standby_state.remote()
+        launcher = RayLauncher(Settings(home=tmp_path, standby_worker_groups=1), owner="this-host:1:me")
+        launcher.connect()
+        assert gone_soon(f"{STANDBY_PREFIX}dead-here")
+        # another host's standby is left alone while it may still be touched by its scheduler ...
+        ref: Any = made["elsewhere"].standby_state.remote()
+        assert ray.get(ref)["adopted"] is False
+        # ... and retired once nobody has touched it for ORPHAN_S
+        launcher.ORPHAN_S = 0.0
+        launcher.connect()
+        assert gone_soon(f"{STANDBY_PREFIX}elsewhere")
+        ref = ray.get_actor(f"{STANDBY_PREFIX}adopted", namespace=NAMESPACE).standby_state.remote()
         assert ray.get(ref)["adopted"] is True
     finally:
-        for h in (h1, h2):
+        for h in made.values():
             ray.kill(h, no_restart=True)
