@@ -126,7 +126,7 @@ class Settings(BaseSettings):
         default=0, ge=0, le=16,
         description="Worker groups of the common shape (one worker of `standby_cpus` CPUs, no GPU, no `code`, no "
         "preflight) the scheduler keeps started ahead of demand, everything imported, so such a run's first step "
-        "comes seconds after its claim instead of after three cold process starts. Each holds its CPUs while it "
+        "comes within a second of its claim instead of after three cold process starts. Each holds its CPUs while it "
         "waits (they count as free: a run that needs them retires it). 0 turns it off.",
     )
     standby_cpus: float = Field(default=1.0, gt=0, le=512,

@@ -4,7 +4,7 @@ The fast scheduler tests put a scripted launcher in its place.
 
 **Standby worker groups** (``Settings.standby_worker_groups``, off by default): a worker group's start is three
 cold processes in series (the channel actor, Ray Train's controller, the worker), each importing torch and Ray
-Train: ~30 s on a quiet 2-core machine, most of a short run. ``RayLauncher`` can keep worker groups of the common
+Train: 10-30 s on a quiet 2-core machine, most of a short run. ``RayLauncher`` can keep worker groups of the common
 shape (``fits_standby``: one worker of ``standby_cpus`` CPUs, no GPU, no ``code``, no preflight) started ahead of
 demand, their worker waiting with everything imported. A claim that fits takes one (``standby_for``: its name is
 what the attempt records, so a restarted scheduler finds the run's channel as for any other), and the launch hands
