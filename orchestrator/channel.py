@@ -183,12 +183,10 @@ class RunChannel:
             self._marks.setdefault(str(name), float(ts))
 
     def take_launch(self) -> dict[str, Any] | None:
-        """A standby worker's poll: the launch it was adopted for (once), ``{"retire": True}`` after a stop
-        request, else None (keep waiting)."""
-        if self._launch is not None:
-            launch, self._launch = self._launch, None
-            return launch
-        return {"retire": True} if self._stop and not self._adopted else None
+        """A standby worker's poll: the launch it was adopted for (once), else None (keep waiting). A standby
+        nobody adopts is killed, never asked to stop: a kill frees its CPU at once."""
+        launch, self._launch = self._launch, None
+        return launch
 
     def request_plan(self, attempt: int, end: Mapping[str, Any]) -> None:
         """Rank 0 of a diverged attempt asks for an in-place plan (then polls ``get_plan``)."""

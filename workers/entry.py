@@ -146,7 +146,7 @@ def standby_loop_per_worker(config: dict[str, Any]) -> None:
     """Ray Train V2 entry of a **standby** worker group (``RunChannel.start_standby``; one worker): import what an
     attempt needs, ``torch._dynamo`` included (the first optimizer imports it: seconds in a cold process), mark
     ``standby_ready``, then wait for the launch a run's claim hands the channel and run it as
-    ``train_loop_per_worker`` would. ``{"retire": True}`` (the standby's CPU is wanted elsewhere) ends it."""
+    ``train_loop_per_worker`` would. A standby that no run takes is killed (``RayLauncher``), not asked to stop."""
     import ray
     import torch._dynamo  # noqa: F401 - the import is the point
 
@@ -161,8 +161,6 @@ def standby_loop_per_worker(config: dict[str, Any]) -> None:
     channel.add_marks.remote({"standby_ready": time.time()})
     while (launch := ray.get(channel.take_launch.remote())) is None:
         time.sleep(STANDBY_POLL_S)
-    if launch.get("retire"):
-        return
     train_loop_per_worker({
         "spec": launch["spec"],
         "sink": ActorSink(channel, attempt=int(launch["attempt"])),

@@ -71,17 +71,6 @@ def test_a_touch_resets_the_time_a_standby_has_gone_untouched() -> None:
     assert ch.standby_state()["untouched_s"] < 150.0
 
 
-def test_a_stop_request_retires_a_waiting_standby_but_not_an_adopted_one() -> None:
-    idle = RunChannel(0, 0)
-    idle.request_stop()
-    assert idle.take_launch() == {"retire": True}
-    adopted = RunChannel(0, 0)
-    adopted.adopt(1, 1, {"attempt": 1})
-    adopted.take_launch()
-    adopted.request_stop()  # the run's cancel: its workers see should_stop, the standby loop is long gone
-    assert adopted.take_launch() is None
-
-
 # --------------------------------------------------------------------------------------------- on Ray
 @dataclass
 class Standing:
