@@ -239,9 +239,10 @@ class RunChannel:
                 "adopted": self._adopted, "owner": self.owner, "untouched_s": time.monotonic() - self._touched}
 
     def touch(self) -> dict[str, Any]:
-        """A standby's scheduler, every tick: still wanted. Returns the fit's state."""
+        """A standby's scheduler, every tick: still wanted. Returns the fit's state and the worker group's
+        placement groups (the scheduler keeps them, to free them even if this actor dies)."""
         self._touched = time.monotonic()
-        return dict(self._fit)
+        return {"fit": dict(self._fit), "placement_groups": list(self._placement_groups)}
 
     def adopt(self, run_id: int, attempt: int, launch: dict[str, Any]) -> None:
         """Hand this standby's waiting worker a run's launch; from now on the channel is that run's."""

@@ -102,6 +102,8 @@ class RayLauncher:
     tick)."""
     ORPHAN_SCAN_S = 60.0
     """How often a scheduler that keeps standbys looks for orphaned ones."""
+    RETIRE_WAIT_S = 60.0
+    """How long retiring a standby that is still starting waits for it to register its placement group."""
 
     def __init__(self, settings: Settings, owner: str | None = None) -> None:
         self.settings = settings
@@ -113,6 +115,8 @@ class RayLauncher:
         self._reserved: dict[str, Any] = {}
         """Standbys reserved by ``standby_for``, waiting for their ``launch``."""
         self._standby_template: dict[str, Any] | None = None
+        self._standby_groups: dict[str, list[Any]] = {}
+        """Each standby's placement groups as last seen (``touch``)."""
         self._next_orphan_scan = 0.0
 
     def connect(self) -> None:
@@ -236,11 +240,14 @@ class RayLauncher:
 
         for name, handle in list(self._standbys.items()):
             try:
-                fit: dict[str, Any] = ray.get(handle.touch.remote(), timeout=5)
+                touched: dict[str, Any] = ray.get(handle.touch.remote(), timeout=5)
             except ray.exceptions.GetTimeoutError:
                 continue  # busy: ask again next tick
             except ray.exceptions.RayError as exc:
-                fit = {"state": "lost", "error": one_line(exc)}
+                touched = {"fit": {"state": "lost", "error": one_line(exc)}}
+            if touched.get("placement_groups"):
+                self._standby_groups[name] = list(touched["placement_groups"])
+            fit = touched["fit"]
             if fit.get("state") in ("running", "idle"):
                 continue
             log.warning("standby worker group %s ended before a run took it (%s): %s", name, fit.get("state"),
@@ -269,9 +276,40 @@ class RayLauncher:
             self._retire(next(iter(self._standbys)))
 
     def _retire(self, name: str) -> None:
+        """Kill an idle standby and free its placement group. Its Train controller creates the group some seconds
+        before the worker registers it with the channel, and Ray keeps a group whose creator was killed for the
+        life of the job: so a standby still starting is given ``RETIRE_WAIT_S`` to register it first, and the
+        groups last seen by ``touch`` are freed too, for a channel that died with them."""
+        import ray
+        from ray.util import remove_placement_group
+
         handle = self._standbys.pop(name, None) or self._reserved.pop(name, None)
-        if handle is not None:
-            self.kill(handle)
+        groups = self._standby_groups.pop(name, [])
+        if handle is None:
+            return
+        deadline = time.monotonic() + self.RETIRE_WAIT_S
+        while not groups and time.monotonic() < deadline:
+            try:
+                state = ray.get(handle.standby_state.remote(), timeout=5)
+                groups = list(ray.get(handle.placement_groups.remote(), timeout=5))
+            except ray.exceptions.RayError:
+                break  # gone: nothing more to learn from it
+            if groups or state["ready"] or self._fit_over(handle):
+                break
+            time.sleep(0.2)
+        self.kill(handle)
+        for pg in groups:
+            with contextlib.suppress(Exception):
+                remove_placement_group(pg)
+
+    @staticmethod
+    def _fit_over(handle: Any) -> bool:
+        import ray
+
+        try:
+            return ray.get(handle.fit_status.remote(), timeout=5).get("state") not in ("running", "idle")
+        except ray.exceptions.RayError:
+            return True
 
     def _retire_orphaned_standbys(self) -> None:
         """Kill the idle standbys whose scheduler is gone: one on this host whose process has exited, or any that

@@ -67,7 +67,8 @@ def test_a_touch_resets_the_time_a_standby_has_gone_untouched() -> None:
     ch = RunChannel(0, 0, owner="host:1:abc")
     ch._touched -= 150.0  # as if its scheduler last asked 150 s ago
     assert ch.standby_state()["untouched_s"] >= 150.0
-    assert ch.touch() == {"state": "idle", "error": None}  # the fit's state, for the scheduler's pruning
+    # the fit's state and the placement groups, for the scheduler's pruning and cleanup
+    assert ch.touch() == {"fit": {"state": "idle", "error": None}, "placement_groups": []}
     assert ch.standby_state()["untouched_s"] < 150.0
 
 
@@ -100,6 +101,20 @@ def standing(ray_cluster: Any, tmp_path: Path) -> Iterator[Standing]:
     finally:
         launcher.shutdown()  # the standbys are detached actors: they outlive a scheduler that is not stopped
         engine.dispose()
+    # nothing leaked: every CPU is free again (a placement group outlives a killed creator unless freed)
+    assert all_cpus_free_soon(), "a standby's placement group was left holding CPUs"
+
+
+def all_cpus_free_soon() -> bool:
+    import ray
+
+    deadline = time.monotonic() + 60.0
+    while time.monotonic() < deadline:
+        free, total = ray.available_resources(), ray.cluster_resources()  # type: ignore[no-untyped-call]
+        if free.get("CPU", 0.0) >= total.get("CPU", 0.0):
+            return True
+        time.sleep(0.5)
+    return False
 
 
 def tick_until_a_standby_is_ready(scheduler: Scheduler, launcher: RayLauncher) -> str:
