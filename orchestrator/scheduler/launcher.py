@@ -173,6 +173,7 @@ class RayLauncher:
             raise UnsharedCheckpointRoot(refusal)
         reserved = self._reserved.pop(name, None)
         if reserved is not None:
+            self._standby_groups.pop(name, None)  # the run's now: its channel frees them when it is killed
             try:
                 ray.get(reserved.adopt.remote(run_id, attempt, launch), timeout=60)
             except Exception:
@@ -204,7 +205,7 @@ class RayLauncher:
             try:
                 state = ray.get(handle.standby_state.remote(), timeout=5)
             except ray.exceptions.RayError:
-                self._standbys.pop(name, None)  # gone (a failed start): the next keep_standby replaces it
+                self._retire(name)  # gone: freed, and the next keep_standby replaces it
                 continue
             if state["ready"] and not state["adopted"]:
                 self._reserved[name] = self._standbys.pop(name)
