@@ -380,7 +380,7 @@ def run_torch_trainer(launch: Mapping[str, Any], channel: Any) -> None:
     from ray.train.torch import TorchConfig, TorchTrainer
 
     from contracts.storage import StorageOptions, local_dir
-    from workers.ray_sink import ActorSink
+    from workers.entry import worker_config
 
     module, _, func = str(launch.get("train_fn") or DEFAULT_TRAIN_FN).partition(":")
     train_loop_per_worker = getattr(importlib.import_module(module), func)
@@ -395,14 +395,8 @@ def run_torch_trainer(launch: Mapping[str, Any], channel: Any) -> None:
     resources: dict[str, float] = {"CPU": float(launch["cpus_per_worker"])}
     if launch.get("use_gpu"):
         resources["GPU"] = float(launch.get("gpus_per_worker") or 1.0)
-    config: dict[str, Any] = {"marks": channel}
-    if not launch.get("standby"):  # a standby's worker gets the rest from the launch it is adopted for
-        config |= {
-            "spec": launch["spec"],
-            "sink": ActorSink(channel, attempt=int(launch["attempt"])),
-            "checkpoint_uri_prefix": launch["checkpoint_uri_prefix"],
-            "storage": launch.get("storage") or {},
-        }
+    # a standby's worker builds its config from the launch it is adopted for
+    config = {"marks": channel} if launch.get("standby") else worker_config(launch, channel)
     trainer = TorchTrainer(
         train_loop_per_worker,
         train_loop_config=config,

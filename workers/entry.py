@@ -150,8 +150,6 @@ def standby_loop_per_worker(config: dict[str, Any]) -> None:
     import ray
     import torch._dynamo  # noqa: F401 - the import is the point
 
-    from workers.ray_sink import ActorSink
-
     channel = config["marks"]
     try:  # the placement group, so that retiring the standby (a kill) frees its CPUs: see ActorSink._register
         group = ray.util.get_current_placement_group()
@@ -161,13 +159,21 @@ def standby_loop_per_worker(config: dict[str, Any]) -> None:
     channel.add_marks.remote({"standby_ready": time.time()})
     while (launch := ray.get(channel.take_launch.remote())) is None:
         time.sleep(STANDBY_POLL_S)
-    train_loop_per_worker({
+    train_loop_per_worker(worker_config(launch, channel))
+
+
+def worker_config(launch: Mapping[str, Any], channel: Any) -> dict[str, Any]:
+    """``train_loop_per_worker``'s config for a launch reporting to ``channel`` (a ``RunChannel`` handle): built by
+    the channel for a fresh worker group, by the worker itself for a standby's."""
+    from workers.ray_sink import ActorSink
+
+    return {
         "spec": launch["spec"],
         "sink": ActorSink(channel, attempt=int(launch["attempt"])),
         "checkpoint_uri_prefix": launch["checkpoint_uri_prefix"],
         "storage": launch.get("storage") or {},
         "marks": channel,
-    })
+    }
 
 
 def start_marker(channel: Any, entered: float) -> Marker | None:
@@ -205,4 +211,4 @@ def report_config_error(exc: Exception, spec: AttemptSpec, sink: EventSink | Non
 
 
 __all__ = ["EngineConfigError", "next_spec", "report_config_error", "run_attempt", "run_attempts",
-           "standby_loop_per_worker", "train_loop_per_worker"]
+           "standby_loop_per_worker", "train_loop_per_worker", "worker_config"]

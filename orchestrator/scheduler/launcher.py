@@ -291,26 +291,17 @@ class RayLauncher:
         deadline = time.monotonic() + self.RETIRE_WAIT_S
         while not groups and time.monotonic() < deadline:
             try:
-                state = ray.get(handle.standby_state.remote(), timeout=5)
-                groups = list(ray.get(handle.placement_groups.remote(), timeout=5))
+                touched = ray.get(handle.touch.remote(), timeout=5)
             except ray.exceptions.RayError:
                 break  # gone: nothing more to learn from it
-            if groups or state["ready"] or self._fit_over(handle):
-                break
+            groups = list(touched["placement_groups"])
+            if groups or touched["fit"].get("state") not in ("running", "idle"):
+                break  # registered (the worker does so before it is ready), or the start failed
             time.sleep(0.2)
         self.kill(handle)
         for pg in groups:
             with contextlib.suppress(Exception):
                 remove_placement_group(pg)
-
-    @staticmethod
-    def _fit_over(handle: Any) -> bool:
-        import ray
-
-        try:
-            return ray.get(handle.fit_status.remote(), timeout=5).get("state") not in ("running", "idle")
-        except ray.exceptions.RayError:
-            return True
 
     def _retire_orphaned_standbys(self) -> None:
         """Kill the idle standbys whose scheduler is gone: one on this host whose process has exited, or any that
