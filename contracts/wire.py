@@ -15,6 +15,9 @@ Event types and their ``data``:
 - ``eval``: step (completed steps, like a checkpoint's: the weights after that many updates), eval_loss (mean over
   ``training.eval_batches`` held-out batches on every rank; None when not finite), batches (in that mean). Sparse:
   every ``training.eval_interval`` steps, at the attempt's start and at its end.
+- ``lr_probe``: the LR probe an attempt ran before training (``recovery.lr_probe``, ``workers/lr_probe.py``):
+  start_step, steps (per candidate), steps_run (all candidates), candidates [{lr, score, failed, steps}], chosen
+  (the LR the attempt trains at), reason. Once per attempt that probes, before its first ``metric``.
 - ``end``: :class:`EndEvent`
 
 Torch-free and Ray-free: the orchestrator builds ``AttemptSpec``s and reads ``EndEvent``s without importing the
@@ -31,7 +34,7 @@ from typing import Any
 from contracts.export import ExportTargets
 from contracts.recipe import Recipe, recipe_to_dict, validate_recipe_data
 
-EVENT_TYPES = frozenset({"metric", "layer_stats", "anomaly", "checkpoint", "eval", "end"})
+EVENT_TYPES = frozenset({"metric", "layer_stats", "anomaly", "checkpoint", "eval", "lr_probe", "end"})
 ANOMALY_KINDS = (
     "nonfinite", "loss_scale_collapse", "grad_norm_spike", "loss_spike", "divergence", "oscillation", "stagnation",
     "vanishing_gradients", "skip_escalation",  # the step detectors (workers/detectors)
@@ -93,6 +96,8 @@ class EndEvent:
     median_grad_norm: float | None = None
     """Median pre-clip grad norm over healthy applied steps (input for clip_to_median_multiple)."""
     loss_scale_collapsed: bool = False
+    lr_probe: dict[str, Any] | None = None
+    """The ``lr_probe`` event's data when the attempt probed (again here: the end may be ingested first)."""
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -119,7 +124,35 @@ class EndEvent:
             reason=str(data.get("reason") or ""),
             median_grad_norm=opt_float("median_grad_norm"),
             loss_scale_collapsed=bool(data.get("loss_scale_collapsed", False)),
+            lr_probe=dict(probe) if isinstance(probe := data.get("lr_probe"), Mapping) else None,
         )
+
+
+@dataclass(frozen=True)
+class ProbePlan:
+    """The LR probe an attempt runs before it trains (``recovery.lr_probe``): ``steps`` steps from its start point at
+    each candidate LR, the policy's cut LR first; the attempt then trains at the one the probe chose."""
+
+    candidates: tuple[float, ...]
+    steps: int
+
+    def __post_init__(self) -> None:
+        if len(self.candidates) < 2 or any(not (math.isfinite(c) and c > 0) for c in self.candidates):
+            raise ValueError(f"ProbePlan.candidates: two or more positive LRs, got {self.candidates!r}")
+        if self.steps < 1:
+            raise ValueError(f"ProbePlan.steps: must be >= 1, got {self.steps}")
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"candidates": list(self.candidates), "steps": self.steps}
+
+    @classmethod
+    def from_plan(cls, plan: Mapping[str, Any] | None) -> ProbePlan | None:
+        """The probe an attempt's ``plan`` asks for: None when it asks for none, or when the probe already ran (its
+        result, ``chosen``, is in the plan and the attempt's overrides: a relaunch trains at that LR at once)."""
+        probe = (plan or {}).get("lr_probe")
+        if not probe or probe.get("chosen") is not None:
+            return None
+        return cls(candidates=tuple(float(c) for c in probe["candidates"]), steps=int(probe["steps"]))
 
 
 @dataclass(kw_only=True)
@@ -145,6 +178,8 @@ class AttemptSpec:
     """The operator's allow-list for custom ``module:function`` models and data (re-checked on the worker)."""
     export: ExportTargets | None = None
     """Where ``telemetry.export`` writes (the server's settings); None: the worker's own ``BALLAST_*`` env."""
+    lr_probe: ProbePlan | None = None
+    """Probe these LRs before training (``workers/lr_probe.py``); None: train at the recipe's LR."""
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -157,6 +192,7 @@ class AttemptSpec:
             "run_id": self.run_id,
             "allowed_import_modules": list(self.allowed_import_modules),
             "export": None if self.export is None else self.export.to_dict(),
+            "lr_probe": None if self.lr_probe is None else self.lr_probe.to_dict(),
         }
 
     @classmethod
@@ -175,6 +211,7 @@ class AttemptSpec:
             run_id=data.get("run_id"),
             allowed_import_modules=allowed,
             export=ExportTargets.from_dict(data["export"]) if data.get("export") else None,
+            lr_probe=ProbePlan.from_plan(data),
         )
 
     def __post_init__(self) -> None:
@@ -228,6 +265,8 @@ class AttemptOutcome:
     """Every ``eval`` event's payload of the attempt (empty without ``training.eval_interval``)."""
     previous: list[AttemptOutcome] = field(default_factory=list)
     """Earlier attempts run in place in the same worker group (in-place recovery), oldest first."""
+    lr_probe: dict[str, Any] | None = None
+    """The LR probe the attempt ran before training (the ``lr_probe`` event's data); None: none."""
 
     def end(self) -> EndEvent:
         """The ``end`` event that reports this outcome to the control plane."""
@@ -240,6 +279,7 @@ class AttemptOutcome:
             reason=self.reason,
             median_grad_norm=self.median_grad_norm,
             loss_scale_collapsed=self.loss_scale_collapsed,
+            lr_probe=self.lr_probe,
         )
 
     def end_event(self) -> dict[str, Any]:

@@ -2,7 +2,8 @@
 
 Both run the same loop of attempts in one worker group: the spec's attempt, then, while a diverged attempt's sink
 hands back an in-place recovery plan (``PlanningSink.request_plan``, rank 0 only, broadcast to every rank), the
-next attempt from the plan's checkpoint with its overrides. A plain process is world size 1 or a rank of an
+next attempt from the plan's checkpoint with its overrides. An attempt whose spec asks for an LR probe runs it
+first (``workers/lr_probe.py``) and trains at the LR it chose. A plain process is world size 1 or a rank of an
 already initialised ``torch.distributed`` group; under Ray Train the ranks come from the train context and
 rank 0 writes checkpoints under the launch's ``checkpoint_uri_prefix`` itself (``workers/checkpointing.py``):
 nothing goes through ``ray.train.report``. Ray Train never restarts a group (``FailureConfig(max_failures=0)``):
@@ -30,6 +31,7 @@ from contracts.wire import CONFIG_ERROR, AttemptOutcome, AttemptSpec, SetupConfi
 from workers.checkpointing import materialize
 from workers.comm import EngineConfigError
 from workers.context import WorkerContext, broadcast_object, plain_context
+from workers.lr_probe import run_probe
 from workers.preflight import CONFIG_ERRORS, MESSAGE_LIMIT
 from workers.sinks import EventSink
 from workers.trackers import TrackerExport
@@ -85,9 +87,15 @@ def run_attempts(spec: AttemptSpec, ctx: WorkerContext, sink: EventSink | None, 
     export = TrackerExport.open(spec, ctx)  # telemetry.export: TensorBoard / MLflow, rank 0 only
     try:
         while True:
-            attempt_sink = sink if export is None else export.tee(sink, spec, resume)
+            probed: dict[str, Any] | None = None
             with materialize(resume, ctx.storage) as resume_dir:
+                if spec.lr_probe is not None:
+                    spec, probed = run_probe(spec, spec.lr_probe, ctx, resume_dir, sink)
+                    if sink is not None:
+                        sink.emit("lr_probe", probed)
+                attempt_sink = sink if export is None else export.tee(sink, spec, resume)
                 trainer = GuardedTrainer(spec, ctx, attempt_sink, resume_dir=resume_dir)
+            trainer.result.lr_probe = probed
             if mark is not None:
                 mark("setup_done")
                 mark = None

@@ -30,6 +30,23 @@ class PlanningSink(EventSink, Protocol):
         ...
 
 
+class StopOnlySink:
+    """Passes on only the control plane's stop request: the sink of a run that must stay quiet but cancellable
+    (an LR probe's candidates, ``workers/lr_probe.py``: their steps are not the attempt's)."""
+
+    def __init__(self, sink: EventSink) -> None:
+        self._sink = sink
+
+    def emit(self, type: str, data: dict[str, Any]) -> None:
+        return None
+
+    def flush(self) -> None:
+        return None
+
+    def should_stop(self) -> bool:
+        return self._sink.should_stop()
+
+
 class ListSink:
     """Keeps events in memory: for library use, `ballast train` and tests."""
 

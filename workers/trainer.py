@@ -85,6 +85,10 @@ def _num(x: float | None) -> str:
     return "n/a" if x is None else format(x, ".4g")
 
 
+STOPPED = "stop requested"
+"""Why an LR probe's candidate (``GuardedTrainer.probe``) ended early when the control plane asked to stop."""
+
+
 @dataclass
 class StepReport:
     step: int
@@ -157,6 +161,8 @@ class GuardedTrainer:
         self.checkpointer = Checkpointer(spec, ctx, self.sink, self.faults)
 
         self._pending_update_ratio: Tensor | None = None
+        self._fixed_lr: float | None = None
+        """The LR probe's constant LR (``probe``); None: the schedule's."""
         if saved is not None:
             if manifest is not None and shards_of(manifest) is not None:
                 load_shards(resume_dir, manifest, self.module, self.optimizer)  # type: ignore[arg-type]
@@ -193,6 +199,34 @@ class GuardedTrainer:
             self.sink.emit("end", res.end_event())
             self.sink.flush()
         return res
+
+    def probe(self, steps: int) -> tuple[list[float], str | None]:
+        """One candidate of the LR probe (``workers/lr_probe.py``): train up to ``steps`` steps from the start at
+        the recipe's LR held constant where the attempt would train once warmed up (the schedule's LR at the end of
+        the warmup and of the re-warm), with the detectors and faults of a real step but no checkpoint, eval,
+        verdict or telemetry. Returns the steps' losses and why the run was cut short: an anomaly the detectors
+        would roll back, a non-finite step, or a stop request (``STOPPED``); None: it was not. Build a fresh trainer
+        for each candidate."""
+        r = self.recipe
+        max_steps = r.training.max_steps
+        warmed = max(self.start_step + self.spec.rewarm_steps, r.schedule.resolved_warmup_steps(max_steps))
+        self._fixed_lr = lr_at(min(warmed, max_steps - 1), base_lr=r.optimizer.lr, max_steps=max_steps,
+                               schedule=r.schedule)
+        losses: list[float] = []
+        try:
+            for step in range(self.start_step, min(self.start_step + steps, max_steps)):
+                report = self.train_step(step)
+                losses.append(report.signals.loss)
+                if report.decision.rollback:
+                    kinds = [f.kind for f in report.decision.findings if f.action is Action.rollback]
+                    return losses, f"{kinds[0] if kinds else 'rollback'} at step {step}"
+                if not report.signals.finite:
+                    return losses, f"non-finite at step {step}"
+                if report.stop:
+                    return losses, STOPPED
+        finally:
+            self.checkpointer.close()
+        return losses, None
 
     def _train_steps(self, max_steps: int, every: int) -> None:
         res = self.result
@@ -277,9 +311,11 @@ class GuardedTrainer:
     # ------------------------------------------------------------------------------------ step helpers
     def _set_lr(self, step: int) -> float:
         r = self.recipe
-        lr = lr_at(step, base_lr=r.optimizer.lr, max_steps=r.training.max_steps, schedule=r.schedule,
-                   rewarm_start=self.start_step if self.spec.rewarm_steps else None,
-                   rewarm_steps=self.spec.rewarm_steps)
+        lr = self._fixed_lr
+        if lr is None:
+            lr = lr_at(step, base_lr=r.optimizer.lr, max_steps=r.training.max_steps, schedule=r.schedule,
+                       rewarm_start=self.start_step if self.spec.rewarm_steps else None,
+                       rewarm_steps=self.spec.rewarm_steps)
         for group in self.optimizer.param_groups:
             group["lr"] = lr
         return lr

@@ -21,6 +21,7 @@ from contracts.export import ExportTargets
 from contracts.overrides import apply_overrides
 from contracts.recipe import Recipe, RecipeError
 from contracts.wire import AttemptSpec, EndEvent, finite_or_none, one_line
+from orchestrator.policy.probe import apply_probe_result
 from orchestrator.policy.recovery import AttemptRecord, CheckpointRecord, GiveUp, RecoveryPlan, decide
 
 RECOVERABLE = ("diverged", "crashed")
@@ -72,6 +73,8 @@ class LocalAttempt:
     reason: str = ""
     """Why it started (the policy's reason; empty for the first attempt)."""
     ended: Ended | None = None
+    lr_probe: dict[str, Any] | None = None
+    """The LR probe it ran before training: the plan's candidates and what the probe chose (None: no probe)."""
     decision: str | None = None
     """What followed it: the next attempt's reason or why the policy gave up (None: it succeeded/was cancelled)."""
 
@@ -115,6 +118,7 @@ class LocalAttempt:
             "rewarm_steps": self.spec.rewarm_steps,
             "data_offset": self.spec.data_offset,
             "reason": self.reason,
+            "lr_probe": self.lr_probe,
             "decision": self.decision,
             "checkpoints": [{"step": c.step, "uri": c.uri, "healthy": c.healthy, "valid": c.valid}
                             for c in checkpoints if c.attempt_number == self.number],
@@ -232,7 +236,20 @@ class LocalRun:
         finally:
             self.sink = None
             self._add_checkpoints(attempt.number, sink)
+            for probed in sink.of_type("lr_probe"):
+                self._record_probe(attempt, probed)
+        if attempt.ended.end is not None and attempt.ended.end.lr_probe is not None:
+            self._record_probe(attempt, attempt.ended.end.lr_probe)  # a runner whose sink kept no such event
         attempt.ended.result["start_step"] = attempt.start_step
+
+    @staticmethod
+    def _record_probe(attempt: LocalAttempt, probed: Mapping[str, Any]) -> None:
+        """What the attempt's LR probe chose becomes its settings, as the service's ingest records it."""
+        plan = {} if attempt.spec.lr_probe is None else {"lr_probe": attempt.spec.lr_probe.to_dict()}
+        applied = apply_probe_result(attempt.overrides, plan, attempt.reason, probed)
+        if applied is not None:
+            attempt.overrides, plan, attempt.reason = applied
+            attempt.lr_probe = plan["lr_probe"]
 
     def _add_checkpoints(self, number: int, sink: ListSink) -> None:
         for event in sink.of_type("checkpoint"):
@@ -292,7 +309,7 @@ class LocalRun:
             recipe=recipe, checkpoint_dir=str(self.root / f"attempt-{number}"), attempt=number,
             resume_from=plan.resume_from.uri if plan.resume_from is not None else None,
             rewarm_steps=plan.rewarm_steps, data_offset=plan.data_offset, allowed_import_modules=self.allowed,
-            export=self.export,
+            export=self.export, lr_probe=plan.lr_probe,
         )
         return LocalAttempt(number=number, kind=plan.kind, spec=spec, start_step=plan.resume_step,
                             resumed_from=plan.resume_from, overrides=overrides, reason=plan.reason)

@@ -84,7 +84,8 @@ def run(doc: dict[str, Any], recovery: dict[str, Any]) -> dict[str, Any]:
         out = LocalRun(recipe, Path(root), run_in_process, make_sink=make_sink).run()
     # the metric events as the REST series the benchmark measures (a non-finite loss is absent, as there), so
     # both measure with one definition
-    data: dict[str, Any] = {"series": {name: {"attempts": [], "steps": [], "values": []} for name in ("loss", "lr")}}
+    data: dict[str, Any] = {"series": {name: {"attempts": [], "steps": [], "values": []} for name in ("loss", "lr")},
+                            "attempts": [{"plan": {"lr_probe": a.lr_probe}} for a in out.attempts]}
     for attempt, sink in enumerate(sinks, start=1):
         for m in sink.of_type("metric"):
             for name, col in data["series"].items():

@@ -10,7 +10,7 @@ Definitions (the README repeats them):
   20 steps it has (``final_complete`` is then false). The reference's final loss is computed the same way, so the
   ratio compares the same steps (and, without a data-window skip, the same batches).
 - **steps executed**: every (attempt, step) that ran, summed over attempts: recomputed steps after a rollback
-  count again. Reported ÷ ``max_steps``.
+  count again, and so does every step of a retry's LR probe (``recovery.lr_probe``). Reported ÷ ``max_steps``.
 - **onset**: injected faults: the fault's step (``case.onset_step``; 0 for a defect present from the start). Natural
   divergences: the first step of attempt 1 whose loss is non-finite or above ``ONSET_RATIO`` (1.5) × the running
   minimum of the earlier steps' losses; none if the loss never does (a plateau, or the detector stopped it first).
@@ -61,7 +61,10 @@ def final_loss(data: dict[str, Any], max_steps: int) -> tuple[float | None, bool
 
 
 def steps_executed(data: dict[str, Any]) -> int:
-    return len({(a, st) for a, st, _ in series(data, "lr")})
+    """Every (attempt, step) that ran, plus the steps of the attempts' LR probes (``plan.lr_probe.steps_run``)."""
+    probes = sum(int(((a.get("plan") or {}).get("lr_probe") or {}).get("steps_run") or 0)
+                 for a in data.get("attempts") or [])
+    return len({(a, st) for a, st, _ in series(data, "lr")}) + probes
 
 
 def loss_onset(data: dict[str, Any]) -> int | None:

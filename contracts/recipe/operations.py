@@ -67,6 +67,50 @@ class RecoveryStrategy(StrEnum):
     restart_latest = "restart_latest"
 
 
+PROBE_MIN_STEPS = 10
+"""The fewest steps a default probe gives a candidate: fewer say little beyond whether it blows up at once."""
+PROBE_MAX_STEPS = 100
+"""The most: on a long run, a hundred steps tell the candidates apart and cost a small fraction of it."""
+
+
+class ProbeMode(StrEnum):
+    auto = "auto"
+    on = "on"
+    off = "off"
+
+
+class LrProbe(Section):
+    """Choose a numeric retry's LR by evidence rather than by the cut alone. When a retry lowers the LR, the new
+    attempt first trains ``steps`` steps from its rollback point at each of ``candidates`` LRs (the policy's cut
+    LR, then each ``spacing`` times the one before, never below ``min_lr``), each at the constant LR the retry
+    reaches once warmed up, and keeps the one whose loss ends lowest without a rollback-worthy anomaly (near-ties:
+    the lower LR). The probe's steps are charged to the run (the attempt's ``plan.lr_probe.steps_run``)."""
+
+    mode: ProbeMode = ProbeMode.auto
+    """auto: probe when its steps (candidates × steps) are at most ``max_fraction`` of ``training.max_steps`` (on a
+    run too short for that, a probe costs more than it can save); on: always; off: never (the cut LR is kept)."""
+    candidates: StrictInt = Field(default=3, ge=2, le=8)
+    """LRs tried, the policy's cut LR first."""
+    spacing: StrictFloat = Field(default=0.25, gt=0.0, lt=1.0)
+    """Each candidate is this times the previous one."""
+    steps: StrictInt | None = Field(default=None, ge=4, le=100_000)
+    """Steps per candidate; default: an equal share of ``max_fraction`` of the run, between 10 and 100."""
+    max_fraction: StrictFloat = Field(default=0.2, gt=0.0, le=1.0)
+    """The probe's steps as a fraction of ``training.max_steps``: the default ``steps`` and ``auto``'s bound."""
+
+    def steps_for(self, max_steps: int) -> int:
+        """Steps per candidate in a run of ``max_steps`` steps."""
+        if self.steps is not None:
+            return self.steps
+        return max(PROBE_MIN_STEPS, min(PROBE_MAX_STEPS, int(self.max_fraction * max_steps / self.candidates)))
+
+    def active(self, max_steps: int) -> bool:
+        """Whether a retry that lowers the LR probes, in a run of ``max_steps`` steps."""
+        if self.mode is ProbeMode.auto:
+            return self.candidates * self.steps_for(max_steps) <= self.max_fraction * max_steps
+        return self.mode is ProbeMode.on
+
+
 class Recovery(Section):
     strategy: RecoveryStrategy = RecoveryStrategy.ballast
     """ballast: roll back to a healthy checkpoint and tighten; restart_latest: resume the newest checkpoint with
@@ -101,6 +145,8 @@ class Recovery(Section):
     """A retry that fails within this many steps of its start resumes further back next time."""
     in_place: StrictBool = True
     """Apply numeric rollbacks inside the running worker group instead of restarting it."""
+    lr_probe: LrProbe = Field(default_factory=LrProbe)
+    """Choose a retry's LR by a short probe of a few candidates from the rollback point (see ``LrProbe``)."""
 
 
 class Resources(Section):

@@ -58,6 +58,10 @@ with the same settings, the baseline other systems apply):
     well under-trains the retry) and there is no re-warm (the schedule is the recipe's, as it was); if bf16
     diverges too, the next retry tightens as usual.
   - Nothing can change (both knobs at their floors, no dtype switch) → ``GiveUp``.
+- LR probe (``recovery.lr_probe``, ``orchestrator/policy/probe.py``): when the retry lowers the LR and the probe is
+  active for the run's length, the plan also names candidate LRs (the cut LR, then lower ones); the new attempt
+  tries each for a few steps from its start point and trains at the best (``workers/lr_probe.py``), which then
+  replaces the cut LR in its overrides (``orchestrator/store/ingest.py``).
 - ``rewarm_steps`` from the recipe, except after a dtype switch alone (the LR did not change).
   ``skip_data_window``: ``data_offset += onset - resume_step + 1``, i.e. the batches of steps
   ``resume_step..onset`` *inclusive* are skipped (the onset batch is the likeliest culprit); otherwise the
@@ -85,7 +89,8 @@ from typing import Any
 
 from contracts.overrides import apply_overrides, get_path
 from contracts.recipe import DType, Recipe, Recovery, RecoveryStrategy, TightenOrder
-from contracts.wire import one_line
+from contracts.wire import ProbePlan, one_line
+from orchestrator.policy.probe import probe_plan
 from orchestrator.policy.tightening import (
     AGC,
     DTYPE,
@@ -177,6 +182,8 @@ class RecoveryPlan:
     data_offset: int
     reason: str
     """One line a person can read."""
+    lr_probe: ProbePlan | None = None
+    """The LRs the new attempt probes before it trains (``orchestrator/policy/probe.py``); None: none."""
 
     @property
     def parent_checkpoint_id(self) -> int | None:
@@ -188,11 +195,14 @@ class RecoveryPlan:
 
     def plan_json(self) -> dict[str, Any]:
         """The attempt's ``plan`` column: what the workers need besides the effective recipe."""
-        return {
+        plan: dict[str, Any] = {
             "rewarm_steps": self.rewarm_steps,
             "data_offset": self.data_offset,
             "resume_uri": self.resume_from.uri if self.resume_from is not None else None,
         }
+        if self.lr_probe is not None:
+            plan["lr_probe"] = self.lr_probe.to_dict()
+        return plan
 
 
 @dataclass(frozen=True)
@@ -383,6 +393,9 @@ def _numeric_retry(
     rewarm = 0 if all(c.path == DTYPE for c in changes) else rec.rewarm_steps
     if rewarm:
         texts.append(f"re-warm {rewarm} steps")
+    probe = probe_plan(eff, next((c.new for c in changes if c.path == LR), None))
+    if probe is not None:
+        texts.append(f"lr probe of {', '.join(num(c) for c in probe.candidates)} for {probe.steps} steps each")
     data_offset = last.data_offset
     if rec.skip_data_window:
         data_offset += max(0, onset - resume_step + 1)
@@ -395,6 +408,7 @@ def _numeric_retry(
         rewarm_steps=rewarm,
         data_offset=data_offset,
         reason=f"{_ended(last, onset)}; {where}; " + ", ".join(texts),
+        lr_probe=probe,
     )
 
 

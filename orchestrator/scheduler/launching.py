@@ -19,7 +19,7 @@ from sqlalchemy.orm import Session
 from contracts.recipe import BUILTIN_MODELS, Recipe, RecipeError, admitted_modules, named_modules
 from contracts.recipe.data import COMPATIBLE_DATA
 from contracts.storage import StorageOptions
-from contracts.wire import AttemptSpec, one_line
+from contracts.wire import AttemptSpec, ProbePlan, one_line
 from orchestrator.channel import NAMESPACE
 from orchestrator.policy.recovery import effective_recipe, manual_retry_checkpoint
 from orchestrator.policy.rules import Happening, Note, Situation, Why, resolve
@@ -68,6 +68,7 @@ def spec_dict(ctx: Context, s: Session, run: Run, attempt: Attempt) -> dict[str,
         run_id=run.id,
         allowed_import_modules=admitted_modules(parsed, ctx.settings.allowed_import_modules),
         export=ctx.settings.export_targets() if recipe.telemetry.export else None,
+        lr_probe=ProbePlan.from_plan(plan),
     )
     return spec.to_dict()
 

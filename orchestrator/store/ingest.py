@@ -17,6 +17,9 @@ Where things go:
 - ``eval`` → ``eval_points`` per (attempt, step), never downsampled (one per ``training.eval_interval`` steps).
 - ``layer_stats`` → ``layer_snapshots`` per (attempt, step), every one of them: the dashboard draws the per-layer
   profile over time (a step × depth heat map), and a row is one event per ``telemetry.layer_stats_every`` steps.
+- ``lr_probe`` → the attempt's LR override becomes the LR the probe chose, its ``plan.lr_probe`` keeps the result
+  and its reason says what was chosen (``orchestrator/policy/probe.py``): what the attempt really trains at, so
+  the next retry tightens from it and a crash restart resumes at it.
 - ``end`` → ``attempts.outcome`` / ``onset_step`` / ``last_step``. State changes are the scheduler's job (it
   decides what an outcome means for the run), never ingestion's.
 
@@ -40,6 +43,7 @@ from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.orm import Session
 
 from contracts.wire import finite_or_none
+from orchestrator.policy.probe import apply_probe_result
 from orchestrator.store.models import (
     AnomalyRow,
     Attempt,
@@ -176,6 +180,8 @@ class _Rows:
     best: float | None = None
     last_step: int | None = None
     layers: list[dict[str, Any]] = field(default_factory=list)
+    probe: dict[str, Any] | None = None
+    """The ``lr_probe`` event's data, when the batch held one."""
 
     def add(self, ev: Mapping[str, Any]) -> None:
         kind, data = ev.get("type"), ev.get("data") or {}
@@ -193,6 +199,8 @@ class _Rows:
                                "eval_loss": number_or_none(data.get("eval_loss"))})
         elif kind == "layer_stats":
             self._layers(data)
+        elif kind == "lr_probe":
+            self.probe = dict(data)
 
     def _metric(self, data: Mapping[str, Any]) -> None:
         step = _int(data.get("step"))
@@ -311,6 +319,9 @@ def ingest_many(
                 last_step = max(last_step if last_step is not None else -1, rows.final_step)
             _record_end(attempt, end)
             res.end = end
+        for probe in (rows.probe, (end or {}).get("lr_probe")):
+            if isinstance(probe, Mapping):
+                _record_probe(attempt, probe)
         _update_aggregates(run, attempt, rows, last_step, res.max_seq)
         results.append(res)
     if live:
@@ -351,6 +362,13 @@ def _record_end(attempt: Attempt, end: Mapping[str, Any]) -> None:
     attempt.outcome = jsonable(end)
     onset = end.get("onset_step")
     attempt.onset_step = _int(onset) if onset is not None else None
+
+
+def _record_probe(attempt: Attempt, data: Mapping[str, Any]) -> None:
+    """The LR probe's result on the attempt (once: a redelivered event changes nothing)."""
+    applied = apply_probe_result(attempt.overrides or {}, attempt.plan or {}, attempt.reason, jsonable(data))
+    if applied is not None:
+        attempt.overrides, attempt.plan, attempt.reason = applied
 
 
 def _update_aggregates(run: Run, attempt: Attempt, rows: _Rows, last_step: int | None, max_seq: int) -> None:

@@ -113,3 +113,31 @@ def test_a_crash_restarts_from_the_newest_checkpoint_that_verifies(tmp_path: Pat
     assert [c["step"] for c in first["checkpoints"] if not c["valid"]] == [20]
     assert second["kind"] == "crash_restart" and second["resumed_from"]["step"] == 10
     assert second["overrides"] == {} and second["outcome"] == "succeeded"
+
+
+def test_a_probed_lr_is_the_attempts_and_the_next_retry_tightens_from_it(tmp_path: Path) -> None:
+    """`ballast train` records an LR probe as the service does: the retry's LR override is the LR the probe chose,
+    and when that attempt diverges too (a NaN loss injected into it), the next retry cuts from the chosen LR."""
+    doc = recipe_doc({
+        "apiVersion": "ballast/v1", "kind": "StabilityRecipe", "name": "probed",
+        "model": {"name": "rnn", "cell": "rnn", "hidden": 32, "recurrent_spectral_radius": 1.1},
+        "data": {"name": "sequence", "task": "running_sum", "seq_len": 32, "dim": 4},
+        "training": {"max_steps": 40, "batch_size": 16, "seed": 0},
+        "optimizer": {"name": "sgd", "lr": 1.0, "momentum": 0.9},
+        "schedule": {"warmup_steps": 0, "decay": "constant"},
+        "clipping": {"method": "none"},
+        "checkpoint": {"every_steps": 10},
+        "success": {"min_progress": 0.0, "early_min_progress": 0.0},
+        "recovery": {"rewarm_steps": 0, "lr_probe": {"mode": "on", "steps": 6}},
+        "faults": [{"type": "nan_loss", "step": 25, "attempt": 2}],
+    })
+    res = train(write(tmp_path, doc), "--json")
+    assert res.exit_code == 0, res.output
+    _, second, third = json.loads(res.stdout)["attempts"]
+    probe = second["lr_probe"]
+    assert probe["candidates"] == [0.25, 0.0625, 0.015625] and probe["candidates_run"][0]["failed"]
+    assert second["overrides"]["optimizer.lr"] == [1.0, probe["chosen"]] and "lr probe from step 0" in second["reason"]
+    assert second["outcome"] == "diverged" and second["onset_step"] == 25
+    cut = probe["chosen"] * 0.5  # a NaN loss 25 steps in: the LR is halved, from the LR the probe chose
+    assert third["lr_probe"]["candidates"][0] == pytest.approx(cut) and third["start_step"] == 20
+    assert third["overrides"]["optimizer.lr"] == [1.0, third["lr_probe"]["chosen"]]

@@ -107,6 +107,8 @@ def test_lineage_takes_the_newest_attempt_per_step_and_final_loss_its_last_20_st
     assert [curve[s] for s in (0, 9, 10, 39)] == [1.0, 1.0, 2.0, 2.0]
     assert final_loss(data, 40) == (2.0, True)
     assert steps_executed(data) == 60
+    data["attempts"][1] = {"plan": {"lr_probe": {"candidates": [0.1, 0.025], "steps": 10, "steps_run": 16}}}
+    assert steps_executed(data) == 76  # a retry's LR probe ran 16 more
 
 
 def test_a_non_finite_step_in_the_window_makes_the_final_loss_infinite() -> None:

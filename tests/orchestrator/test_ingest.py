@@ -222,6 +222,40 @@ def test_eval_events_land_in_eval_points_idempotently_and_never_downsampled(
         assert attempt.last_step == 23
 
 
+PROBED = {"start_step": 50, "steps": 10, "steps_run": 16, "chosen": 2.5e-4,
+          "reason": "lr probe from step 50: 0.001 → divergence at step 55; 0.00025 → loss 1.2; chose 0.00025",
+          "candidates": [{"lr": 1e-3, "score": None, "failed": "divergence at step 55", "steps": 6},
+                         {"lr": 2.5e-4, "score": 1.2, "failed": None, "steps": 10}]}
+
+
+@pytest.mark.parametrize("via", ["event", "end", "both"])
+def test_an_lr_probe_sets_the_attempts_lr_once(session_factory: sessionmaker[Session], via: str) -> None:
+    """What the probe chose becomes the attempt's LR override (the next retry tightens from it), its plan keeps the
+    result and its reason says so: from the ``lr_probe`` event, or from the ``end`` event that carries it again
+    when the end is ingested first; a redelivery changes nothing."""
+    run_id, attempt_id = _make_run(session_factory)
+    with transaction(session_factory) as s:
+        attempt = s.get(Attempt, attempt_id)
+        assert attempt is not None
+        attempt.overrides = {"optimizer.lr": [2e-3, 1e-3]}
+        attempt.plan = {"rewarm_steps": 20, "lr_probe": {"candidates": [1e-3, 2.5e-4], "steps": 10}}
+        attempt.reason = "attempt 1 diverged; lr 0.002→0.001"
+    end = {"outcome": "succeeded", "final_step": 60, "onset_step": None}
+    spec = [("lr_probe", PROBED)] if via != "end" else []
+    spec += [_metric(50, 1.3), ("end", {**end, "lr_probe": PROBED} if via != "event" else end)]
+    events = _events(spec)
+    for _ in range(2):
+        _ingest(session_factory, run_id, attempt_id, events)
+        with transaction(session_factory) as s:
+            attempt = s.get(Attempt, attempt_id)
+            assert attempt is not None
+            assert attempt.overrides == {"optimizer.lr": [2e-3, 2.5e-4]}
+            assert attempt.plan["lr_probe"]["chosen"] == 2.5e-4 and attempt.plan["lr_probe"]["steps_run"] == 16
+            assert attempt.plan["lr_probe"]["candidates_run"][0]["failed"] == "divergence at step 55"
+            assert attempt.plan["rewarm_steps"] == 20
+            assert attempt.reason == "attempt 1 diverged; lr 0.002→0.001; " + PROBED["reason"]
+
+
 # ------------------------------------------------------------------------- the batched path vs the one before
 _LOSSES = st.one_of(st.floats(min_value=0.01, max_value=100.0), st.sampled_from([math.nan, math.inf, None]))
 

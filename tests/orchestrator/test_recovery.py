@@ -205,7 +205,8 @@ def test_reason_names_the_onset_detector_checkpoint_and_every_change() -> None:
     p = plan(r, [diverged(2, 812, detector="grad_norm_spike", value=9.3)], checkpoints)
     assert p.reason == (
         "attempt 2 diverged (onset at step 812, grad_norm_spike=9.3); resumed from step 600; "
-        "lr 0.003→0.0015, clip 1.0→0.5, re-warm 50 steps, skipped data 600–812"
+        "lr 0.003→0.0015, clip 1.0→0.5, re-warm 50 steps, lr probe of 0.0015, 0.000375, 9.375e-05 for 100 steps "
+        "each, skipped data 600–812"
     )
     assert p.rewarm_steps == 50
 

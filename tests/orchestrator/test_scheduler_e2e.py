@@ -262,3 +262,44 @@ def test_a_hung_rank_is_noticed_by_the_step_deadline_and_the_attempt_resumed(
     with pytest.raises(ValueError):  # the hung group was torn down
         ray_cluster.get_actor(first.ray_info["channel"], namespace=first.ray_info["namespace"])
     assert steps_of(factory, second.id) == list(range(20, 40))
+
+
+def test_a_retry_probes_its_lr_and_trains_at_the_one_it_chose(
+    ray_cluster: Any, store: tuple[Settings, sessionmaker[Session]]
+) -> None:
+    """An exploding tanh RNN (SGD at lr 1.0) blows up at once; the retry, in place, probes three LRs from
+    initialisation, rejects the one that blows up again (seen by the detectors), trains at the chosen one, and the
+    store holds that LR as the attempt's override, the probe's result in its plan and the choice in its reason."""
+    settings, factory = store
+    doc = recipe_doc({
+        "name": "lr-probe",
+        "model": {"name": "rnn", "cell": "rnn", "hidden": 32, "recurrent_spectral_radius": 1.1},
+        "data": {"name": "sequence", "task": "running_sum", "seq_len": 32, "dim": 4},
+        "training": {"max_steps": 40, "batch_size": 16, "seed": 0},
+        "optimizer": {"name": "sgd", "lr": 1.0, "momentum": 0.9},
+        "schedule": {"warmup_steps": 0, "decay": "constant"},
+        "clipping": {"method": "none"},
+        "checkpoint": {"every_steps": 10},
+        "success": {"min_progress": 0.0, "early_min_progress": 0.0},
+        "recovery": {"rewarm_steps": 0, "lr_probe": {"mode": "on", "steps": 8}},
+    })
+    run_id = submit(factory, doc)
+    drive(Scheduler(settings, factory), factory, run_id)
+
+    with transaction(factory) as s:
+        run = s.get(Run, run_id)
+        assert run is not None and run.state == "succeeded", run.reason
+    first, second = attempts_of(factory, run_id)
+    assert first.state == "diverged" and second.kind == "numeric_retry" and second.plan["in_place"] is True
+    probe = second.plan["lr_probe"]
+    assert probe["candidates"] == [0.25, 0.0625, 0.015625] and probe["steps"] == 8
+    blown, *rest = probe["candidates_run"]
+    assert blown["lr"] == 0.25 and blown["failed"] and all(c["failed"] is None for c in rest)
+    assert probe["chosen"] in (0.0625, 0.015625)
+    assert probe["steps_run"] == sum(c["steps"] for c in probe["candidates_run"])
+    assert second.overrides["optimizer.lr"] == [1.0, probe["chosen"]]
+    assert second.reason is not None and f"chose {probe['chosen']:.4g}" in second.reason
+    with transaction(factory) as s:
+        lrs = set(s.scalars(sa.select(MetricPoint.lr).where(MetricPoint.attempt_id == second.id)))
+    assert lrs == {pytest.approx(probe["chosen"])}  # a constant schedule: every step at the chosen LR
+    assert steps_of(factory, second.id) == list(range(0, 40))  # restarted from initialisation, probe not in it

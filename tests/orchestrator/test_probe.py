@@ -1,0 +1,143 @@
+"""Table tests of the LR probe's policy rules: which LRs a retry probes, and how the probe's result becomes the
+attempt's settings (``orchestrator/policy/probe.py``)."""
+
+from __future__ import annotations
+
+from functools import partial
+from typing import Any
+
+import pytest
+
+from contracts.wire import AttemptSpec, ProbePlan
+from orchestrator.policy.probe import apply_probe_result, probe_plan
+from orchestrator.policy.recovery import AttemptRecord, RecoveryPlan, decide
+from tests.recipes import build_recipe
+
+recipe = partial(build_recipe, {"name": "t"})
+
+
+def probe_recipe(max_steps: int = 2000, **probe: Any) -> Any:
+    return recipe(training={"max_steps": max_steps}, optimizer={"lr": 1e-2}, recovery={"lr_probe": probe})
+
+
+CUTS = (5e-3, 1.25e-3, 3.125e-4)
+
+
+@pytest.mark.parametrize(
+    ("max_steps", "probe", "expected", "steps"),
+    [
+        # auto: on when candidates x steps <= max_fraction (0.2) x max_steps; steps default to an equal share of
+        # that fifth, between 10 and 100
+        (150, {}, CUTS, 10),
+        (149, {}, None, None),
+        (600, {}, CUTS, 40),
+        (100_000, {}, CUTS, 100),
+        (100, {"mode": "on"}, CUTS, 10),
+        (100_000, {"mode": "off"}, None, None),
+        (150, {"steps": 11}, None, None),  # 33 > 30
+        (300, {"steps": 20}, CUTS, 20),
+        (400, {"max_fraction": 0.05}, None, None),  # the 10-step floor: 30 > 20
+        (1000, {"max_fraction": 0.05}, CUTS, 16),
+        (2000, {"max_fraction": 0.05}, CUTS, 33),
+        (2000, {"candidates": 2, "spacing": 0.1}, (5e-3, 5e-4), 100),
+    ],
+)
+def test_which_lrs_a_retry_probes(max_steps: int, probe: dict[str, Any], expected: tuple[float, ...] | None,
+                                  steps: int | None) -> None:
+    got = probe_plan(probe_recipe(max_steps, **probe), 5e-3)
+    if expected is None:
+        assert got is None
+    else:
+        assert got is not None and got.candidates == pytest.approx(expected) and got.steps == steps
+
+
+def test_candidates_stop_at_the_lr_floor() -> None:
+    r = build_recipe({"name": "t", "training": {"max_steps": 2000},
+                      "recovery": {"min_lr": 1e-4, "lr_probe": {"mode": "on", "candidates": 4}}})
+    got = probe_plan(r, 1e-3)
+    assert got is not None and got.candidates == pytest.approx((1e-3, 2.5e-4, 1e-4))  # the floor is the last
+    assert probe_plan(r, 1e-4) is None  # the cut LR is at the floor: nothing lower to compare with
+
+
+def test_no_probe_when_the_retry_leaves_the_lr_alone() -> None:
+    assert probe_plan(probe_recipe(mode="on"), None) is None
+
+
+def test_a_retry_that_cuts_the_lr_probes_from_the_cut_lr_and_says_so() -> None:
+    r = probe_recipe(mode="on")
+    history = [AttemptRecord(number=1, kind="initial", outcome="diverged", start_step=0, onset_step=900,
+                             final_step=901, detector="loss_spike")]
+    p = decide(r, history, [])
+    assert isinstance(p, RecoveryPlan)
+    assert p.overrides["optimizer.lr"] == (1e-2, 5e-3)
+    assert p.lr_probe is not None and p.lr_probe.candidates == pytest.approx((5e-3, 1.25e-3, 3.125e-4))
+    assert p.plan_json()["lr_probe"] == {"candidates": list(p.lr_probe.candidates), "steps": 100}
+    assert "lr probe of 0.005, 0.00125, 0.0003125 for 100 steps each" in p.reason
+
+
+def test_a_clip_only_retry_does_not_probe() -> None:
+    """A gradient spike with a healthy loss tightens the clip first: the LR is unchanged, so there is no probe."""
+    r = probe_recipe(mode="on")
+    history = [AttemptRecord(number=1, kind="initial", outcome="diverged", start_step=0, onset_step=900,
+                             final_step=901, detector="grad_norm_spike")]
+    p = decide(r, history, [])
+    assert isinstance(p, RecoveryPlan) and "optimizer.lr" not in p.overrides
+    assert p.lr_probe is None and "lr_probe" not in p.plan_json()
+
+
+def test_a_crash_restart_does_not_probe() -> None:
+    r = probe_recipe(mode="on")
+    history = [AttemptRecord(number=1, kind="initial", outcome="crashed", start_step=0, error="worker died")]
+    p = decide(r, history, [])
+    assert isinstance(p, RecoveryPlan) and p.lr_probe is None
+
+
+RESULT = {"chosen": 1.25e-3, "steps_run": 66, "reason": "lr probe from step 800: …; chose 0.00125 (lowest loss)",
+          "candidates": [{"lr": 5e-3, "score": None, "failed": "divergence at step 805", "steps": 6},
+                         {"lr": 1.25e-3, "score": 0.5, "failed": None, "steps": 30},
+                         {"lr": 3.125e-4, "score": 0.7, "failed": None, "steps": 30}]}
+PLAN = {"rewarm_steps": 20, "data_offset": 0, "resume_uri": "file:///c", "lr_probe": {"candidates": [5e-3, 1.25e-3,
+                                                                                                     3.125e-4],
+                                                                                      "steps": 30}}
+
+
+def test_the_probe_result_becomes_the_attempts_lr_plan_and_reason() -> None:
+    overrides = {"optimizer.lr": [1e-2, 5e-3], "clipping.max_norm": [1.0, 0.5]}
+    applied = apply_probe_result(overrides, PLAN, "attempt 1 diverged; lr 0.01→0.005", RESULT)
+    assert applied is not None
+    new_overrides, new_plan, reason = applied
+    assert new_overrides == {"optimizer.lr": [1e-2, 1.25e-3], "clipping.max_norm": [1.0, 0.5]}
+    assert new_plan["lr_probe"]["chosen"] == 1.25e-3 and new_plan["lr_probe"]["steps_run"] == 66
+    assert new_plan["lr_probe"]["candidates"] == [5e-3, 1.25e-3, 3.125e-4]  # the plan's, kept
+    assert new_plan["lr_probe"]["candidates_run"][0]["failed"] == "divergence at step 805"
+    assert new_plan["rewarm_steps"] == 20
+    assert reason == "attempt 1 diverged; lr 0.01→0.005; lr probe from step 800: …; chose 0.00125 (lowest loss)"
+    assert overrides == {"optimizer.lr": [1e-2, 5e-3], "clipping.max_norm": [1.0, 0.5]}  # the inputs untouched
+    # recorded once: a redelivered event (or the end event carrying it again) changes nothing
+    assert apply_probe_result(new_overrides, new_plan, reason, RESULT) is None
+
+
+@pytest.mark.parametrize("chosen", [None, "0.1", True])
+def test_a_result_without_a_chosen_lr_changes_nothing(chosen: Any) -> None:
+    assert apply_probe_result({"optimizer.lr": [1e-2, 5e-3]}, PLAN, "r", {**RESULT, "chosen": chosen}) is None
+
+
+def test_a_plan_whose_probe_ran_launches_without_one() -> None:
+    """A relaunch of an attempt whose probe already ran trains at the chosen LR (in its overrides) at once."""
+    assert ProbePlan.from_plan(PLAN) == ProbePlan(candidates=(5e-3, 1.25e-3, 3.125e-4), steps=30)
+    assert ProbePlan.from_plan({**PLAN, "lr_probe": {**PLAN["lr_probe"], "chosen": 1.25e-3}}) is None
+    assert ProbePlan.from_plan({"rewarm_steps": 0}) is None and ProbePlan.from_plan(None) is None
+
+
+def test_the_probe_travels_with_the_spec() -> None:
+    spec = AttemptSpec(recipe=recipe(), checkpoint_dir="/tmp/x", lr_probe=ProbePlan((1e-3, 1e-4), 10))
+    back = AttemptSpec.from_dict(spec.to_dict())
+    assert back.lr_probe == ProbePlan((1e-3, 1e-4), 10)
+    assert AttemptSpec.from_dict({**spec.to_dict(), "lr_probe": None}).lr_probe is None
+
+
+@pytest.mark.parametrize(("candidates", "steps"), [((1e-3,), 10), ((1e-3, 0.0), 10), ((1e-3, 1e-4), 0),
+                                                   ((1e-3, float("nan")), 10)])
+def test_a_malformed_probe_plan_is_refused(candidates: tuple[float, ...], steps: int) -> None:
+    with pytest.raises(ValueError, match="ProbePlan"):
+        ProbePlan(candidates, steps)

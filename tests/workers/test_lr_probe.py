@@ -1,0 +1,117 @@
+"""The LR probe on the worker (``workers/lr_probe.py``): the choice rule as a table, and real probes in a plain
+process: a candidate that blows up is found by the detectors and rejected, the attempt then trains exactly as one
+started at the chosen LR without a probe would (the probe leaves no trace), from initialisation and from a
+checkpoint, and the ``lr_probe`` event reports it before the first step."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from contracts.wire import AttemptSpec, ProbePlan
+from tests.recipes import build_recipe
+from workers.entry import run_attempt
+from workers.lr_probe import TIE, CandidateRun, choose, with_lr
+from workers.sinks import ListSink
+
+
+def runs(*spec: tuple[float, list[float], str | None]) -> list[CandidateRun]:
+    return [CandidateRun(lr=lr, losses=tuple(losses), failed=failed) for lr, losses, failed in spec]
+
+
+@pytest.mark.parametrize(
+    ("candidates", "expected", "why"),
+    [
+        # the lowest score (mean of the last quarter of the losses) wins
+        (runs((1e-2, [3, 2, 2, 1.0], None), (1e-3, [3, 2.5, 2, 1.5], None)), 0, "lowest loss"),
+        (runs((1e-2, [3, 2, 2, 1.5], None), (1e-3, [3, 2.5, 2, 1.0], None)), 1, "lowest loss"),
+        # a candidate the detectors would have rolled back is out, however low its losses before that
+        (runs((1e-2, [3, 0.1], "loss_spike at step 1"), (1e-3, [3, 2.0], None)), 1, "lowest loss"),
+        # a near-tie goes to the lower LR
+        (runs((1e-2, [3, 1.0], None), (1e-3, [3, 1.0 + TIE / 2], None)), 1, "within 1% of the lowest loss"),
+        (runs((1e-2, [3, 1.0], None), (1e-3, [3, 1.0 + 2 * TIE], None)), 0, "lowest loss"),
+        # negative losses (a custom objective): the tie band is relative to the size of the best
+        (runs((1e-2, [0, -1.0], None), (1e-3, [0, -1.0 + TIE / 2], None)), 1, "within 1% of the lowest loss"),
+        # a non-finite loss that no detector flagged is still no candidate
+        (runs((1e-2, [3, math.inf], None), (1e-3, [3, 2.0], None)), 1, "lowest loss"),
+        # every candidate failed: the lowest LR, the safest there is
+        (runs((1e-2, [9.0], "nonfinite at step 0"), (1e-3, [9.0], "divergence at step 0")), 1, "every candidate"),
+    ],
+)
+def test_choose(candidates: list[CandidateRun], expected: int, why: str) -> None:
+    pick, reason = choose(candidates)
+    assert pick == expected and reason.startswith(why)
+
+
+def test_the_score_is_the_mean_of_the_last_quarter() -> None:
+    assert CandidateRun(1.0, (8, 8, 8, 8, 8, 8, 2, 4)).score == 3.0
+    assert CandidateRun(1.0, (5, 7)).score == 7.0  # at least one loss
+    assert CandidateRun(1.0, ()).score == math.inf
+
+
+# An exploding tanh RNN at the edge of chaos (the divergence benchmark's family): SGD at lr 1.0 blows up within a
+# few steps; the probe compares the cut LR with two lower ones.
+RNN: dict[str, Any] = {
+    "name": "probe-test",
+    "model": {"name": "rnn", "cell": "rnn", "hidden": 32, "recurrent_spectral_radius": 1.1},
+    "data": {"name": "sequence", "task": "running_sum", "seq_len": 32, "dim": 4},
+    "training": {"max_steps": 40, "batch_size": 16, "seed": 0},
+    "optimizer": {"name": "sgd", "lr": 1.0, "momentum": 0.9},
+    "schedule": {"warmup_steps": 0},
+    "clipping": {"method": "none"},
+    "checkpoint": {"every_steps": 10},
+    "success": {"min_progress": 0.0, "early_min_progress": 0.0},
+}
+PROBE = ProbePlan(candidates=(0.25, 0.0625, 0.015625), steps=8)
+
+
+def _spec(tmp_path: Path, name: str, **kw: Any) -> AttemptSpec:
+    return AttemptSpec(recipe=build_recipe(RNN), checkpoint_dir=str(tmp_path / name), **kw)
+
+
+def test_a_probe_rejects_the_candidate_that_blows_up_and_leaves_no_trace(tmp_path: Path) -> None:
+    sink = ListSink()
+    probed = run_attempt(_spec(tmp_path, "probed", lr_probe=PROBE, attempt=2), sink)
+    [event] = sink.of_type("lr_probe")
+    assert sink.events[0]["type"] == "lr_probe"  # before the first step's metric
+    first, *rest = event["candidates"]
+    assert first["lr"] == 0.25 and first["failed"] and first["steps"] < PROBE.steps  # found from the numbers
+    assert all(c["failed"] is None and c["steps"] == PROBE.steps for c in rest)
+    assert event["chosen"] in (0.0625, 0.015625)
+    assert event["steps_run"] == sum(c["steps"] for c in event["candidates"])
+    assert event["start_step"] == 0 and f"chose {event['chosen']:.4g}" in event["reason"]
+    assert probed.lr_probe == event and probed.end_event()["lr_probe"] == event
+
+    # the attempt trained at the chosen LR exactly as an attempt started there without a probe does
+    plain = run_attempt(with_lr(_spec(tmp_path, "plain", attempt=2), event["chosen"]))
+    assert probed.losses == plain.losses and len(plain.losses) == 40
+    assert sink.of_type("metric")[0]["lr"] == pytest.approx(event["chosen"])  # no warmup: the peak at step 0
+
+
+def test_a_probe_from_a_checkpoint_starts_every_candidate_and_the_attempt_there(tmp_path: Path) -> None:
+    safe = with_lr(_spec(tmp_path, "first"), 0.01)
+    run_attempt(safe)
+    ckpt = str(tmp_path / "first" / "step_00000020")
+    resumed = replace(safe, checkpoint_dir=str(tmp_path / "probed"), attempt=2, resume_from=ckpt,
+                      rewarm_steps=5)
+    sink = ListSink()
+    probed = run_attempt(replace(resumed, lr_probe=ProbePlan(candidates=(0.04, 0.01), steps=6)), sink)
+    [event] = sink.of_type("lr_probe")
+    assert event["start_step"] == 20 and [c["steps"] for c in event["candidates"]] == [6, 6]
+    plain = run_attempt(replace(with_lr(resumed, event["chosen"]), checkpoint_dir=str(tmp_path / "plain")))
+    assert probed.start_step == 20 and probed.losses == plain.losses and len(plain.losses) == 20
+
+
+def test_a_stop_request_ends_the_probe_and_the_attempt(tmp_path: Path) -> None:
+    """A cancel during the probe is not held up by the remaining candidates: the candidate that sees it stops,
+    no other is tried, and the attempt ends cancelled at its first step."""
+    sink = ListSink()
+    sink.stop_requested = True
+    result = run_attempt(_spec(tmp_path, "stopped", lr_probe=PROBE, attempt=2), sink)
+    [event] = sink.of_type("lr_probe")
+    assert [(c["lr"], c["failed"], c["steps"]) for c in event["candidates"]] == [(0.25, "stop requested", 1)]
+    assert result.outcome == "cancelled" and result.final_step == 1

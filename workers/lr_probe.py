@@ -1,0 +1,107 @@
+"""The LR probe (``recovery.lr_probe``): before a retry trains, try its candidate LRs from its start point and train
+at the one whose loss ends lowest without an anomaly the detectors would roll back.
+
+Each candidate is a fresh ``GuardedTrainer`` built from the same start (the rollback checkpoint, or the seeded
+initialisation), so every candidate sees the same weights, optimizer state, RNG and batches, and the attempt
+itself then starts from that point again, untouched by the probe. Every rank runs every candidate (the steps are
+collectives) and derives the same choice from the all-gathered losses, so no rank needs to be told. Which LRs are
+probed is the policy's (``orchestrator/policy/probe.py``); how one is chosen is ``choose`` below (pure).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+from contracts.wire import AttemptSpec, ProbePlan
+from workers.context import WorkerContext
+from workers.sinks import EventSink, StopOnlySink
+from workers.trainer import STOPPED, GuardedTrainer
+
+TIE = 0.01
+"""Candidates whose score is within this fraction of the best one's are a tie, and the lowest LR among them wins:
+as good on the probe's evidence, and further from the edge that made the run diverge."""
+
+
+@dataclass(frozen=True)
+class CandidateRun:
+    lr: float
+    losses: tuple[float, ...]
+    failed: str | None = None
+    """Why the candidate was cut short (an anomaly the detectors would roll back, a non-finite step); None: not."""
+
+    @property
+    def score(self) -> float:
+        """The mean loss over the last quarter of its steps (at least one): where the loss got to, less the noise
+        of a single batch; inf for a failed candidate or a non-finite loss."""
+        if self.failed is not None or not self.losses:
+            return math.inf
+        tail = self.losses[-max(1, len(self.losses) // 4):]
+        mean = sum(tail) / len(tail)
+        return mean if math.isfinite(mean) else math.inf
+
+
+def choose(runs: Sequence[CandidateRun]) -> tuple[int, str]:
+    """The candidate to train at, and why: the lowest score; scores within ``TIE`` of it (relative to its size) go
+    to the lowest LR. When every candidate failed, the lowest LR (the safest there is; if it diverges too, the
+    next retry tightens from it)."""
+    if not runs:
+        raise ValueError("choose: no candidate runs")
+    lowest = min(range(len(runs)), key=lambda i: runs[i].lr)
+    finite = [i for i, r in enumerate(runs) if math.isfinite(r.score)]
+    if not finite:
+        return lowest, "every candidate failed; the lowest LR is kept"
+    best = min(runs[i].score for i in finite)
+    tied = [i for i in finite if runs[i].score <= best + TIE * abs(best)]
+    pick = min(tied, key=lambda i: runs[i].lr)
+    why = "lowest loss" if runs[pick].score == best else f"within {TIE:.0%} of the lowest loss, the lower LR"
+    return pick, why
+
+
+def _fmt(x: float) -> str:
+    return format(x, ".4g")
+
+
+def describe(runs: Sequence[CandidateRun], pick: int, why: str, start_step: int) -> str:
+    """The probe in one line for the attempt's reason."""
+    parts = [f"{_fmt(r.lr)} → {r.failed}" if r.failed else f"{_fmt(r.lr)} → loss {_fmt(r.score)}" for r in runs]
+    return f"lr probe from step {start_step}: {'; '.join(parts)}; chose {_fmt(runs[pick].lr)} ({why})"
+
+
+def with_lr(spec: AttemptSpec, lr: float) -> AttemptSpec:
+    """``spec`` training at ``lr``, without a probe of its own."""
+    recipe = spec.recipe.model_copy(update={"optimizer": spec.recipe.optimizer.model_copy(update={"lr": lr})})
+    return replace(spec, recipe=recipe, lr_probe=None)
+
+
+def run_probe(spec: AttemptSpec, plan: ProbePlan, ctx: WorkerContext, resume_dir: str | Path | None,
+              sink: EventSink | None = None) -> tuple[AttemptSpec, dict[str, Any]]:
+    """Probe ``plan``'s candidates from ``spec``'s start point (every rank). Returns the spec to train with (the
+    chosen LR, no probe) and the ``lr_probe`` event's data. A stop request on ``sink`` (rank 0's) ends the probe
+    after the step that sees it; the attempt then stops at its first step."""
+    runs: list[CandidateRun] = []
+    start_step = 0
+    quiet = None if sink is None else StopOnlySink(sink)
+    for lr in plan.candidates:
+        trainer = GuardedTrainer(with_lr(spec, lr), ctx, sink=quiet, resume_dir=resume_dir)
+        start_step = trainer.start_step
+        losses, failed = trainer.probe(plan.steps)
+        runs.append(CandidateRun(lr=lr, losses=tuple(losses), failed=failed))
+        del trainer
+        if failed == STOPPED:
+            break
+    pick, why = choose(runs)
+    chosen = runs[pick].lr
+    event = {
+        "start_step": start_step,
+        "steps": plan.steps,
+        "steps_run": sum(len(r.losses) for r in runs),
+        "candidates": [{"lr": r.lr, "score": r.score if math.isfinite(r.score) else None, "failed": r.failed,
+                        "steps": len(r.losses)} for r in runs],
+        "chosen": chosen,
+        "reason": describe(runs, pick, why, start_step),
+    }
+    return with_lr(spec, chosen), event
