@@ -173,7 +173,8 @@ class AttemptRead(_Read):
         description='Effective settings as a diff against the recipe: `{"optimizer.lr": [old, new]}`.',
         examples=[{"optimizer.lr": [0.003, 0.0015]}],
     )
-    plan: JsonObject = Field(description="Instructions for the workers: rewarm_steps, data_offset, resume_uri.")
+    plan: JsonObject = Field(description="Instructions for the workers: rewarm_steps, data_offset, resume_uri; for "
+                             "a retry that probes its LR, lr_probe (its candidates, and once run, what it chose).")
     reason: str | None
     outcome: JsonObject | None = Field(description="How it ended: onset_step, detector, value, final_step, error.")
     onset_step: int | None

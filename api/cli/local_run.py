@@ -245,7 +245,9 @@ class LocalRun:
     @staticmethod
     def _record_probe(attempt: LocalAttempt, probed: Mapping[str, Any]) -> None:
         """What the attempt's LR probe chose becomes its settings, as the service's ingest records it."""
-        plan = {} if attempt.spec.lr_probe is None else {"lr_probe": attempt.spec.lr_probe.to_dict()}
+        planned = None if attempt.spec.lr_probe is None else attempt.spec.lr_probe.to_dict()
+        probe = attempt.lr_probe if attempt.lr_probe is not None else planned
+        plan = {} if probe is None else {"lr_probe": probe}
         applied = apply_probe_result(attempt.overrides, plan, attempt.reason, probed)
         if applied is not None:
             attempt.overrides, plan, attempt.reason = applied

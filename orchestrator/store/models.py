@@ -134,7 +134,7 @@ class Attempt(Base):
     overrides: Mapped[dict[str, Any]] = mapped_column(JSONType, default=dict)
     """The effective settings as a diff against the recipe: {"optimizer.lr": [old, new], ...}."""
     plan: Mapped[dict[str, Any]] = mapped_column(JSONType, default=dict)
-    """Extra instructions for the workers: rewarm_steps, data_offset, in_place."""
+    """Extra instructions for the workers: rewarm_steps, data_offset, resume_uri, in_place, lr_probe."""
     reason: Mapped[str | None] = mapped_column(sa.Text)
     outcome: Mapped[dict[str, Any] | None] = mapped_column(JSONType)
     """How it ended: onset_step, detector, value, final_step, error."""

@@ -15,7 +15,7 @@ import pytest
 from contracts.wire import AttemptSpec, ProbePlan
 from tests.recipes import build_recipe
 from workers.entry import run_attempt
-from workers.lr_probe import TIE, CandidateRun, choose, with_lr
+from workers.lr_probe import CandidateRun, choose, with_lr
 from workers.sinks import ListSink
 
 
@@ -31,11 +31,11 @@ def runs(*spec: tuple[float, list[float], str | None]) -> list[CandidateRun]:
         (runs((1e-2, [3, 2, 2, 1.5], None), (1e-3, [3, 2.5, 2, 1.0], None)), 1, "lowest loss"),
         # a candidate the detectors would have rolled back is out, however low its losses before that
         (runs((1e-2, [3, 0.1], "loss_spike at step 1"), (1e-3, [3, 2.0], None)), 1, "lowest loss"),
-        # a near-tie goes to the lower LR
-        (runs((1e-2, [3, 1.0], None), (1e-3, [3, 1.0 + TIE / 2], None)), 1, "within 1% of the lowest loss"),
-        (runs((1e-2, [3, 1.0], None), (1e-3, [3, 1.0 + 2 * TIE], None)), 0, "lowest loss"),
-        # negative losses (a custom objective): the tie band is relative to the size of the best
-        (runs((1e-2, [0, -1.0], None), (1e-3, [0, -1.0 + TIE / 2], None)), 1, "within 1% of the lowest loss"),
+        # however close: the lower score wins; an exact tie goes to the lower LR
+        (runs((1e-2, [3, 1.0], None), (1e-3, [3, 1.001], None)), 0, "lowest loss"),
+        (runs((1e-2, [3, 1.0], None), (1e-3, [3, 1.0], None)), 1, "lowest loss"),
+        # negative losses (a custom objective) compare the same way
+        (runs((1e-2, [0, -1.0], None), (1e-3, [0, -1.001], None)), 1, "lowest loss"),
         # a non-finite loss that no detector flagged is still no candidate
         (runs((1e-2, [3, math.inf], None), (1e-3, [3, 2.0], None)), 1, "lowest loss"),
         # every candidate failed: the lowest LR, the safest there is
