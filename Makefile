@@ -20,7 +20,7 @@ help:
 	@echo "make setup      create $(VENV) with $(PYTHON), torch==$(TORCH_VERSION), then the package with [dev]"
 	@echo "make lint       ruff over the tree, mypy over api orchestrator workers migrations"
 	@echo "make bench      run benchmarks/bench_*.py"
-	@echo "make bench-divergence   the divergence benchmark, both halves (~20 min on 2 cores)"
+	@echo "make bench-divergence   the divergence benchmark, both halves (~30-55 min on 2 cores)"
 	@echo "make clean      remove local state and caches (distclean: the venv too)"
 
 setup: $(STAMP)

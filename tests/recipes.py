@@ -33,3 +33,19 @@ def recipe_doc(base: Mapping[str, Any] = MINIMAL, /, **sections: Any) -> dict[st
 def build_recipe(base: Mapping[str, Any] = MINIMAL, /, **sections: Any) -> Recipe:
     """``recipe_doc(base, **sections)`` validated as a recipe (RecipeError names each bad field)."""
     return validate_recipe_data(recipe_doc(base, **sections))
+
+
+EXPLODING_RNN: dict[str, Any] = {
+    "name": "exploding-rnn",
+    "model": {"name": "rnn", "cell": "rnn", "hidden": 32, "recurrent_spectral_radius": 1.1},
+    "data": {"name": "sequence", "task": "running_sum", "seq_len": 32, "dim": 4},
+    "training": {"max_steps": 40, "batch_size": 16, "seed": 0},
+    "optimizer": {"name": "sgd", "lr": 1.0, "momentum": 0.9},
+    "schedule": {"warmup_steps": 0},
+    "clipping": {"method": "none"},
+    "checkpoint": {"every_steps": 10},
+    "success": {"min_progress": 0.0, "early_min_progress": 0.0},
+}
+"""A tanh RNN at the edge of chaos (recurrent radius 1.1) under momentum SGD at lr 1.0 without clipping: it blows
+up within a few steps, and a probe of the LRs 0.25, 0.0625 and 0.0156 from initialisation sees 0.25 blow up again
+and the other two train (the LR probe's tests). Short runs: no bar on the model's progress."""

@@ -146,6 +146,8 @@ class Tracker:
         self.client, self.run_id, self.view = client, run_id, view
         self.snap = Snapshot(run_id=run_id)
         self._attempt_states: dict[int, str] = {}
+        self._reasons: dict[int, str] = {}
+        """Each retry's reason as shown; its LR probe's result is appended to it later (``_probe``)."""
         self._seen_anomalies: set[int] = set()
         self._anomaly_step: dict[int, int] = {}
         self._metric_step: dict[int, int] = {}
@@ -187,6 +189,8 @@ class Tracker:
             self.view.event(f"attempt {n} started ({kind}{start})", "bold")
             if kind != "initial" and att.get("reason"):
                 self.view.event(f"recovery: {att['reason']}", "bold yellow")
+                self._reasons[n] = str(att["reason"])
+        self._probe(n, att)
         if prev is None or prev not in TERMINAL_ATTEMPT:
             # an attempt that just ended gets one last look, so nothing it reported is missed
             self._new_anomalies(n)
@@ -201,6 +205,17 @@ class Tracker:
         self._attempt_states[n] = state
         if n == s.attempt:
             s.attempt_state = state
+
+    def _probe(self, n: int, att: dict[str, Any]) -> None:
+        """Once a retry's LR probe has chosen (after the retry started), what it chose: the part its reason gained."""
+        shown = self._reasons.get(n)
+        probe = (att.get("plan") or {}).get("lr_probe") or {}
+        if shown is None or probe.get("chosen") is None:
+            return
+        reason = str(att.get("reason") or "")
+        if reason != shown:
+            self.view.event(f"lr probe: {reason.removeprefix(shown).removeprefix('; ')}", "bold yellow")
+        del self._reasons[n]  # shown, in the recovery line or here
 
     def _new_anomalies(self, n: int) -> None:
         # within an attempt anomalies come in step order, so asking from the newest step seen keeps pages small

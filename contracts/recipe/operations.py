@@ -98,6 +98,14 @@ class LrProbe(Section):
     max_fraction: StrictFloat = Field(default=0.2, gt=0.0, le=1.0)
     """The probe's steps as a fraction of ``training.max_steps``: the default ``steps`` and ``auto``'s bound."""
 
+    @field_validator("mode", mode="before")
+    @classmethod
+    def _yaml_bool(cls, v: object) -> object:
+        """YAML 1.1 reads a bare ``on`` / ``off`` as a boolean: take it as the mode it spells."""
+        if isinstance(v, bool):
+            return ProbeMode.on if v else ProbeMode.off
+        return v
+
     def steps_for(self, max_steps: int) -> int:
         """Steps per candidate in a run of ``max_steps`` steps."""
         if self.steps is not None:

@@ -39,7 +39,7 @@ def apply_probe_result(
 ) -> tuple[dict[str, Any], dict[str, Any], str] | None:
     """An attempt's ``(overrides, plan, reason)`` once its worker reports the probe (an ``lr_probe`` event): the LR
     override becomes the chosen LR (the next retry tightens from it, and a crash restart resumes at it), the plan
-    keeps the probe's result (``chosen``, ``steps_run``, ``candidates``) and the reason says what was chosen. None
+    keeps the probe's result (``chosen``, ``steps_run``, ``candidates_run``) and the reason says what was chosen. None
     when there is nothing to change: the result is already recorded (a redelivered event), or it names no LR."""
     probe = dict(plan.get("lr_probe") or {})
     chosen = result.get("chosen")

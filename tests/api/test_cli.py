@@ -409,6 +409,42 @@ def test_tracker_reports_attempts_anomalies_and_the_recovery_reason_in_order(
         assert lines == []  # nothing new: nothing reported twice
 
 
+PROBED = "lr probe from step 40: 0.0015 → loss 1.5; 0.000375 → loss 1.6; chose 0.0015 (lowest loss)"
+
+
+def test_tracker_says_what_a_retrys_lr_probe_chose_once_it_has(
+    url: str, recipe_file: Path, session_factory: sessionmaker[Session]
+) -> None:
+    """A retry's LR probe runs after the retry is shown: its result, appended to the reason, is its own line."""
+    f = session_factory
+    run_id = submit_id(url, recipe_file)
+    lines: list[str] = []
+    with BallastClient(url) as client:
+        tracker = Tracker(client, run_id, PlainView(echo=lines.append))
+        _set_run(f, run_id, RunState.starting, RunState.running)
+        a1 = _add_attempt(f, run_id, 1)
+        _end_attempt(f, a1, AttemptState.diverged, last_step=42, onset_step=42)
+        planned = {"rewarm_steps": 20, "lr_probe": {"candidates": [1.5e-3, 3.75e-4], "steps": 10}}
+        a2 = _add_attempt(f, run_id, 2, kind="numeric_retry", resume_step=40, reason=RECOVERY_REASON, plan=planned)
+        tracker.poll()
+        assert lines[-1] == f"recovery: {RECOVERY_REASON}"
+
+        lines.clear()
+        tracker.poll()
+        assert lines == []  # the probe has not chosen yet
+        with f() as session:
+            att = session.get(Attempt, a2)
+            assert att is not None
+            att.plan = {**planned, "lr_probe": {**planned["lr_probe"], "chosen": 1.5e-3, "steps_run": 20}}
+            att.reason = f"{RECOVERY_REASON}; {PROBED}"
+            session.commit()
+        tracker.poll()
+        assert lines == [f"lr probe: {PROBED}"]
+        lines.clear()
+        tracker.poll()
+        assert lines == []
+
+
 def test_submit_watch_follows_a_failing_run_and_exits_1(
     url: str, recipe_file: Path, session_factory: sessionmaker[Session]
 ) -> None:
@@ -642,8 +678,13 @@ def test_serve_and_submit_watch_show_a_run_diverge_recover_and_succeed(ray_clust
     # the divergence, then the recovery reason (exactly as stored), then success
     ended = f"attempt 1 diverged (last step {first['last_step']})"
     diverged = out.index(next(line for line in out if line.startswith(ended)))
-    recovery = out.index(f"recovery: {second['reason']}")
+    recovery = out.index(next(line for line in out if line.startswith("recovery: ")))
     assert diverged < recovery < len(out) - 1, diag
+    shown = out[recovery].removeprefix("recovery: ")
+    if shown != second["reason"]:  # its LR probe chose after the retry was shown: then said on its own line
+        probe = next(line for line in out[recovery:] if line.startswith("lr probe: "))
+        assert second["reason"] == f"{shown}; {probe.removeprefix('lr probe: ')}", diag
+        assert second["plan"]["lr_probe"]["chosen"] is not None
     assert out[-1].startswith(f"run 1 SUCCEEDED ({len(run['attempts'])} attempts"), diag
     # every anomaly in the store was shown as it arrived, and attempt 1 had at least one
     shown = [line for line in out if line.startswith("anomaly: ")]

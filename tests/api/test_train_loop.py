@@ -14,7 +14,7 @@ from typer.testing import CliRunner
 
 import api.cli  # noqa: F401  (registers the commands)
 from api.cli.app import app
-from tests.recipes import recipe_doc
+from tests.recipes import EXPLODING_RNN, recipe_doc
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]  # whole (small) training runs in this process
 
@@ -118,19 +118,9 @@ def test_a_crash_restarts_from_the_newest_checkpoint_that_verifies(tmp_path: Pat
 def test_a_probed_lr_is_the_attempts_and_the_next_retry_tightens_from_it(tmp_path: Path) -> None:
     """`ballast train` records an LR probe as the service does: the retry's LR override is the LR the probe chose,
     and when that attempt diverges too (a NaN loss injected into it), the next retry cuts from the chosen LR."""
-    doc = recipe_doc({
-        "apiVersion": "ballast/v1", "kind": "StabilityRecipe", "name": "probed",
-        "model": {"name": "rnn", "cell": "rnn", "hidden": 32, "recurrent_spectral_radius": 1.1},
-        "data": {"name": "sequence", "task": "running_sum", "seq_len": 32, "dim": 4},
-        "training": {"max_steps": 40, "batch_size": 16, "seed": 0},
-        "optimizer": {"name": "sgd", "lr": 1.0, "momentum": 0.9},
-        "schedule": {"warmup_steps": 0, "decay": "constant"},
-        "clipping": {"method": "none"},
-        "checkpoint": {"every_steps": 10},
-        "success": {"min_progress": 0.0, "early_min_progress": 0.0},
-        "recovery": {"rewarm_steps": 0, "lr_probe": {"mode": "on", "steps": 6}},
-        "faults": [{"type": "nan_loss", "step": 25, "attempt": 2}],
-    })
+    doc = recipe_doc(EXPLODING_RNN, name="probed", schedule={"warmup_steps": 0, "decay": "constant"},
+                     recovery={"rewarm_steps": 0, "lr_probe": {"mode": "on", "steps": 6}},
+                     faults=[{"type": "nan_loss", "step": 25, "attempt": 2}])
     res = train(write(tmp_path, doc), "--json")
     assert res.exit_code == 0, res.output
     _, second, third = json.loads(res.stdout)["attempts"]

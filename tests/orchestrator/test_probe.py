@@ -8,6 +8,7 @@ from typing import Any
 
 import pytest
 
+from contracts.recipe import ProbeMode, RecipeError, load_recipe
 from contracts.wire import AttemptSpec, ProbePlan
 from orchestrator.policy.probe import apply_probe_result, probe_plan
 from orchestrator.policy.recovery import AttemptRecord, RecoveryPlan, decide
@@ -141,3 +142,18 @@ def test_the_probe_travels_with_the_spec() -> None:
 def test_a_malformed_probe_plan_is_refused(candidates: tuple[float, ...], steps: int) -> None:
     with pytest.raises(ValueError, match="ProbePlan"):
         ProbePlan(candidates, steps)
+
+
+@pytest.mark.parametrize(("text", "mode"), [("on", ProbeMode.on), ("off", ProbeMode.off), ("auto", ProbeMode.auto),
+                                            ("'on'", ProbeMode.on), ("true", ProbeMode.on)])
+def test_a_bare_yaml_on_or_off_is_the_mode_it_spells(text: str, mode: ProbeMode) -> None:
+    """YAML 1.1 reads ``on`` as true: the recipe still means the mode."""
+    recipe = load_recipe(f"apiVersion: ballast/v1\nkind: StabilityRecipe\nname: t\nrecovery:\n  lr_probe:\n"
+                         f"    mode: {text}\n")
+    assert recipe.recovery.lr_probe.mode is mode
+
+
+def test_a_bad_mode_names_the_field() -> None:
+    with pytest.raises(RecipeError, match="recovery.lr_probe.mode"):
+        load_recipe("apiVersion: ballast/v1\nkind: StabilityRecipe\nname: t\nrecovery:\n  lr_probe:\n"
+                    "    mode: sometimes\n")

@@ -28,7 +28,7 @@ from orchestrator.settings import Settings
 from orchestrator.store.db import make_engine, make_session_factory, transaction
 from orchestrator.store.models import AnomalyRow, Attempt, CheckpointRow, MetricPoint, Run
 from orchestrator.store.repo import create_run, request_cancel
-from tests.recipes import recipe_doc
+from tests.recipes import EXPLODING_RNN, recipe_doc
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow, pytest.mark.timeout(600)]
 REPO = Path(__file__).resolve().parents[2]
@@ -271,18 +271,8 @@ def test_a_retry_probes_its_lr_and_trains_at_the_one_it_chose(
     initialisation, rejects the one that blows up again (seen by the detectors), trains at the chosen one, and the
     store holds that LR as the attempt's override, the probe's result in its plan and the choice in its reason."""
     settings, factory = store
-    doc = recipe_doc({
-        "name": "lr-probe",
-        "model": {"name": "rnn", "cell": "rnn", "hidden": 32, "recurrent_spectral_radius": 1.1},
-        "data": {"name": "sequence", "task": "running_sum", "seq_len": 32, "dim": 4},
-        "training": {"max_steps": 40, "batch_size": 16, "seed": 0},
-        "optimizer": {"name": "sgd", "lr": 1.0, "momentum": 0.9},
-        "schedule": {"warmup_steps": 0, "decay": "constant"},
-        "clipping": {"method": "none"},
-        "checkpoint": {"every_steps": 10},
-        "success": {"min_progress": 0.0, "early_min_progress": 0.0},
-        "recovery": {"rewarm_steps": 0, "lr_probe": {"mode": "on", "steps": 8}},
-    })
+    doc = recipe_doc(EXPLODING_RNN, name="lr-probe", schedule={"warmup_steps": 0, "decay": "constant"},
+                     recovery={"rewarm_steps": 0, "lr_probe": {"mode": "on", "steps": 8}})
     run_id = submit(factory, doc)
     drive(Scheduler(settings, factory), factory, run_id)
 

@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 
 from contracts.wire import AttemptSpec, ProbePlan
-from tests.recipes import build_recipe
+from tests.recipes import EXPLODING_RNN, build_recipe
 from workers.entry import run_attempt
 from workers.lr_probe import CandidateRun, choose, with_lr
 from workers.sinks import ListSink
@@ -53,24 +53,11 @@ def test_the_score_is_the_mean_of_the_last_quarter() -> None:
     assert CandidateRun(1.0, ()).score == math.inf
 
 
-# An exploding tanh RNN at the edge of chaos (the divergence benchmark's family): SGD at lr 1.0 blows up within a
-# few steps; the probe compares the cut LR with two lower ones.
-RNN: dict[str, Any] = {
-    "name": "probe-test",
-    "model": {"name": "rnn", "cell": "rnn", "hidden": 32, "recurrent_spectral_radius": 1.1},
-    "data": {"name": "sequence", "task": "running_sum", "seq_len": 32, "dim": 4},
-    "training": {"max_steps": 40, "batch_size": 16, "seed": 0},
-    "optimizer": {"name": "sgd", "lr": 1.0, "momentum": 0.9},
-    "schedule": {"warmup_steps": 0},
-    "clipping": {"method": "none"},
-    "checkpoint": {"every_steps": 10},
-    "success": {"min_progress": 0.0, "early_min_progress": 0.0},
-}
 PROBE = ProbePlan(candidates=(0.25, 0.0625, 0.015625), steps=8)
 
 
 def _spec(tmp_path: Path, name: str, **kw: Any) -> AttemptSpec:
-    return AttemptSpec(recipe=build_recipe(RNN), checkpoint_dir=str(tmp_path / name), **kw)
+    return AttemptSpec(recipe=build_recipe(EXPLODING_RNN), checkpoint_dir=str(tmp_path / name), **kw)
 
 
 def test_a_probe_rejects_the_candidate_that_blows_up_and_leaves_no_trace(tmp_path: Path) -> None:
