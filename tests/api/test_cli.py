@@ -14,7 +14,8 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -351,6 +352,15 @@ def _metrics(factory: sessionmaker[Session], run_id: int, att_id: int, steps: ra
         session.commit()
 
 
+@contextmanager
+def _tracking(url: str, recipe_file: Path) -> Iterator[tuple[int, list[str], Tracker]]:
+    """A submitted run, the lines its watch prints, and the watch's tracker (polled by the test)."""
+    run_id = submit_id(url, recipe_file)
+    lines: list[str] = []
+    with BallastClient(url) as client:
+        yield run_id, lines, Tracker(client, run_id, PlainView(echo=lines.append))
+
+
 RECOVERY_REASON = "attempt 1 diverged at step 42 (grad-norm z=9.3); resumed from step 40; lr 3e-3→1.5e-3"
 
 
@@ -359,10 +369,7 @@ def test_tracker_reports_attempts_anomalies_and_the_recovery_reason_in_order(
 ) -> None:
     """The watch logic, driven step by step: each poll reports exactly what changed in the store since the last."""
     f = session_factory
-    run_id = submit_id(url, recipe_file)
-    lines: list[str] = []
-    with BallastClient(url) as client:
-        tracker = Tracker(client, run_id, PlainView(echo=lines.append))
+    with _tracking(url, recipe_file) as (run_id, lines, tracker):
         assert tracker.poll()["state"] == "queued"
         assert lines == [f"run {run_id} (demo): queued"]
 
@@ -417,10 +424,7 @@ def test_tracker_says_what_a_retrys_lr_probe_chose_once_it_has(
 ) -> None:
     """A retry's LR probe runs after the retry is shown: its result, appended to the reason, is its own line."""
     f = session_factory
-    run_id = submit_id(url, recipe_file)
-    lines: list[str] = []
-    with BallastClient(url) as client:
-        tracker = Tracker(client, run_id, PlainView(echo=lines.append))
+    with _tracking(url, recipe_file) as (run_id, lines, tracker):
         _set_run(f, run_id, RunState.starting, RunState.running)
         a1 = _add_attempt(f, run_id, 1)
         _end_attempt(f, a1, AttemptState.diverged, last_step=42, onset_step=42)
