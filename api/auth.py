@@ -20,10 +20,10 @@ from typing import Annotated
 from fastapi import Depends, Request
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from pydantic import SecretStr
-from sqlalchemy.orm import Session
+from sqlalchemy.orm import Session, sessionmaker
 from starlette.concurrency import run_in_threadpool
 
-from api.deps import RunId, SessionDep
+from api.deps import RunId, SessionDep, session_factory
 from api.errors import ApiError
 from orchestrator.settings import AuthMode, Settings
 from orchestrator.store import repo
@@ -119,23 +119,24 @@ class TokenCache:
         self._entries.clear()
 
 
-def _lookup(session: Session, digest: str) -> Principal | None:
-    tok = repo.get_token_by_hash(session=session, token_hash=digest)
-    if tok is None:
-        return None
-    now = utcnow()
-    if tok.last_used_at is None or now - tok.last_used_at > _TOUCH_EVERY:
-        tok.last_used_at = now
-        session.commit()  # the request's own session: the route's transaction starts after this
-    return Principal(tok.principal, frozenset(tok.scopes), tok.id)
+def _lookup(factory: sessionmaker[Session], digest: str) -> Principal | None:
+    with factory() as session:
+        tok = repo.get_token_by_hash(session=session, token_hash=digest)
+        if tok is None:
+            return None
+        now = utcnow()
+        if tok.last_used_at is None or now - tok.last_used_at > _TOUCH_EVERY:
+            tok.last_used_at = now
+            session.commit()
+        return Principal(tok.principal, frozenset(tok.scopes), tok.id)
 
 
-async def authenticate(
-    request: Request,
-    session: SessionDep,
-    credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(bearer_scheme)],
-) -> Principal:
-    """The caller, from its bearer token (async: a cache hit costs no worker thread and no query)."""
+Credentials = Annotated[HTTPAuthorizationCredentials | None, Depends(bearer_scheme)]
+
+
+async def authenticate(request: Request, credentials: HTTPAuthorizationCredentials | None) -> Principal:
+    """The caller, from its bearer token: a cache hit costs no worker thread and no query; a miss queries in a
+    session of its own, so a route that needs no session of the request's does not get one."""
     settings: Settings = request.app.state.settings
     if settings.auth_mode is AuthMode.off:
         return LOCAL
@@ -145,7 +146,10 @@ async def authenticate(
     cache: TokenCache = request.app.state.token_cache
     principal = cache.get(digest)
     if principal is None:
-        principal = await run_in_threadpool(_lookup, session, digest)
+        # not counted against the request slots (``in_db_thread``): a sync route's session already holds one, and
+        # waiting for a second could deadlock under load. A known token misses once per cache TTL; lookups of
+        # unknown tokens are bounded by the worker-thread pool, as every sync route is
+        principal = await run_in_threadpool(_lookup, session_factory(request), digest)
         if principal is None:
             raise ApiError(
                 401, "the token is unknown or revoked", slug="unauthorized",
@@ -155,14 +159,14 @@ async def authenticate(
     return principal
 
 
-AnyPrincipal = Annotated[Principal, Depends(authenticate)]
+def require(scope: str) -> Callable[[Request, HTTPAuthorizationCredentials | None], Awaitable[Principal]]:
+    """A dependency that authenticates the caller and admits it if it holds ``scope`` (admin holds every scope).
 
+    One dependency, not a scope check depending on an authentication dependency: FastAPI's resolution costs
+    CPU per node on every request. Async: a sync dependency would cost a worker-thread hop per request."""
 
-def require(scope: str) -> Callable[[Principal], Awaitable[Principal]]:
-    """A dependency that admits principals holding ``scope`` (admin holds every scope). Async: it does no I/O,
-    and a sync dependency would cost a worker-thread hop per request."""
-
-    async def _check(principal: AnyPrincipal) -> Principal:
+    async def _check(request: Request, credentials: Credentials) -> Principal:
+        principal = await authenticate(request, credentials)
         if not principal.has(scope):
             raise ApiError(403, f"this operation needs the {scope!r} scope", slug="forbidden")
         return principal

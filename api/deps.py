@@ -33,15 +33,22 @@ async def get_app_settings(request: Request) -> Settings:
 SettingsDep = Annotated[Settings, Depends(get_app_settings)]
 
 
+def session_factory(request: Request) -> sessionmaker[Session]:
+    """The app's session factory; 503 until the lifespan has set up the database."""
+    factory: sessionmaker[Session] | None = request.app.state.session_factory
+    if factory is None:
+        raise ApiError(503, "the database is not set up yet", slug="database-unavailable")
+    return factory
+
+
 async def get_session(request: Request) -> AsyncIterator[Session]:
-    """One session per request; routes that write call ``session.commit()`` (the caller owns the transaction).
+    """One session per request, for sync routes; routes that write call ``session.commit()`` (the caller owns the
+    transaction). ``async`` routes use ``in_db_thread`` instead.
 
     Async so that FastAPI does not spend a worker-thread hop on it: creating a session does no I/O (it connects
     on first use, in the route's thread); closing it returns the connection (a rollback), so that runs in one.
     """
-    factory: sessionmaker[Session] | None = request.app.state.session_factory
-    if factory is None:
-        raise ApiError(503, "the database is not set up yet", slug="database-unavailable")
+    factory = session_factory(request)
     async with _db_slots(request.app.state, factory):
         session = factory()
         try:
@@ -50,36 +57,27 @@ async def get_session(request: Request) -> AsyncIterator[Session]:
             if session.in_transaction():
                 await run_in_threadpool(session.close)  # returns a connection: a rollback, which is I/O
             else:
-                session.close()  # nothing checked out (unused, committed, or closed by in_db_thread): no I/O
+                session.close()  # nothing checked out (unused or committed): no I/O
 
 
-def without_transaction(session: Session) -> None:
-    """Run the session's statements without a transaction: for a read that is a single statement (which sees one
-    snapshot by itself), BEGIN and the ROLLBACK that returns the connection are two round trips for nothing.
-    The connection's isolation level is restored when it goes back to the pool. A session already in a
-    transaction (the token check queried on a cache miss) keeps it."""
-    if not session.in_transaction():
-        session.connection(execution_options={"isolation_level": "AUTOCOMMIT"})
-
-
-async def in_db_thread(session: Session, work: Callable[[*Ts], T], *args: *Ts) -> T:
-    """``work(*args)`` (blocking database work on ``session``) in one worker-thread hop, then the session closed
-    in the same hop; for ``async`` routes.
+async def in_db_thread(request: Request, work: Callable[[Session, *Ts], T], *args: *Ts) -> T:
+    """``work(session, *args)`` (blocking database work on a session of its own) in one worker-thread hop, the
+    session closed in the same hop; for ``async`` routes.
 
     A sync route costs a hop per sync dependency, one for the route, one more for FastAPI to validate its return
-    value and one for closing the session: under load each hop is a GIL hand-off between the event loop and a
-    worker, which costs more CPU than the queries. Build the response in ``work`` (the session's objects are
-    detached afterwards) and return it; FastAPI then validates it on the loop, where a model instance costs an
-    ``isinstance`` check.
+    value and one for closing the session, and a generator dependency (``SessionDep``) costs FastAPI an exit
+    stack: under load each hop is a GIL hand-off between the event loop and a worker, which costs more CPU than
+    the queries. Build the response in ``work`` (the session's objects are detached afterwards) and return it;
+    FastAPI then validates it on the loop, where a model instance costs an ``isinstance`` check.
     """
+    factory = session_factory(request)
 
     def run() -> T:
-        try:
-            return work(*args)
-        finally:
-            session.close()
+        with factory() as session:
+            return work(session, *args)
 
-    return await run_in_threadpool(run)
+    async with _db_slots(request.app.state, factory):
+        return await run_in_threadpool(run)
 
 
 DB_CONCURRENCY = 8

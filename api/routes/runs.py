@@ -5,13 +5,13 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Annotated
 
-from fastapi import APIRouter, Body, Depends, Header, Query, Response
+from fastapi import APIRouter, Body, Depends, Header, Query, Request, Response
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
 from api.auth import Principal, ReadPrincipal, SubmitPrincipal, WritableRun, run_not_found
 from api.bodies import RecipeBody, SubmittedRecipe, recipe_request_body, require_json
-from api.deps import RunId, SessionDep, in_db_thread, without_transaction
+from api.deps import RunId, SessionDep, in_db_thread
 from api.errors import ApiError, problem_responses
 from api.schemas import (
     PRINCIPAL_PATTERN,
@@ -34,7 +34,6 @@ router = APIRouter(tags=["runs"])
 
 def _run_detail(session: Session, run_id: int, owner: str | None) -> RunDetail:
     """One statement (``repo.get_run_overview``) → RunDetail; 404 for a run that is absent or someone else's."""
-    without_transaction(session)
     found = repo.get_run_overview(session=session, run_id=run_id, owner=owner)
     if found is None:
         raise run_not_found(run_id)
@@ -63,7 +62,7 @@ def _run_detail(session: Session, run_id: int, owner: str | None) -> RunDetail:
 )
 async def submit_run(
     principal: SubmitPrincipal,
-    session: SessionDep,
+    request: Request,
     body: RecipeBody,
     response: Response,
     idempotency_key: Annotated[
@@ -77,7 +76,7 @@ async def submit_run(
         ),
     ] = None,
 ) -> RunRead:
-    return await in_db_thread(session, _submit, session, principal, body, response, idempotency_key)
+    return await in_db_thread(request, _submit, principal, body, response, idempotency_key)
 
 
 def _submit(
@@ -125,7 +124,7 @@ def _submit(
 )
 async def list_runs(
     principal: ReadPrincipal,
-    session: SessionDep,
+    request: Request,
     state: Annotated[list[RunState] | None, Query(description="Only runs in these states (repeatable).")] = None,
     name: Annotated[str | None, Query(max_length=100, pattern=RUN_NAME_PATTERN, description="Exact run name.")] = None,
     owner: Annotated[
@@ -138,7 +137,7 @@ async def list_runs(
         if owner is not None and owner != principal.name:
             return Page[RunRead](data=[], count=0, next=None)
         owner = principal.name
-    return await in_db_thread(session, _list_page, session, owner, state or (), name, limit, cursor)
+    return await in_db_thread(request, _list_page, owner, state or (), name, limit, cursor)
 
 
 def _list_page(
@@ -157,8 +156,8 @@ def _list_page(
     summary="A run: state, current attempt, summary and recipe",
     responses=problem_responses(401, 403, 404, 422),
 )
-async def get_run(run_id: RunId, principal: ReadPrincipal, session: SessionDep) -> RunDetail:
-    return await in_db_thread(session, _run_detail, session, run_id, principal.owner_filter)
+async def get_run(run_id: RunId, principal: ReadPrincipal, request: Request) -> RunDetail:
+    return await in_db_thread(request, _run_detail, run_id, principal.owner_filter)
 
 
 @router.post(

@@ -17,6 +17,7 @@ from sqlalchemy.orm import Session, joinedload
 
 from contracts.recipe import Recipe, recipe_to_dict
 from orchestrator.policy.states import RunState
+from orchestrator.store.db import DriverRead
 from orchestrator.store.models import AnomalyRow, Attempt, RecipeRow, Run, utcnow
 from orchestrator.store.paging import PageResult, decode_cursor, encode_cursor
 from orchestrator.store.transitions import log_creation
@@ -146,9 +147,13 @@ def _overview_statement(by_owner: bool) -> sa.Select[Any]:
     return stmt
 
 
+_OVERVIEW_READS = {by_owner: DriverRead(_overview_statement(by_owner)) for by_owner in (False, True)}
+
+
 def get_run_overview(*, session: Session, run_id: int, owner: str | None = None) -> RunOverview | None:
     """The run with its recipe's hash and normalised JSON, its newest attempt and its anomaly counts, in one
-    statement (one round trip, no ORM loading), or None if absent or someone else's (``owner``).
+    statement (one round trip on a connection of the session's engine, no ORM: ``DriverRead``), or None if absent
+    or someone else's (``owner``). It sees committed data only, not the session's own pending changes.
 
     The counts are joined in as one row per anomaly kind, so a run with k kinds comes back as k rows (1 with
     none); the recipe's text is not read. This is the API's hottest read: separate run, newest-attempt and
@@ -157,10 +162,13 @@ def get_run_overview(*, session: Session, run_id: int, owner: str | None = None)
     params: dict[str, Any] = {"run_id": run_id}
     if owner is not None:
         params["owner"] = owner
-    rows = session.execute(_overview_statement(owner is not None), params).all()
+    read = _OVERVIEW_READS[owner is not None]
+    engine = session.get_bind()
+    assert isinstance(engine, sa.Engine), "sessions are bound to engines (make_session_factory)"
+    rows = [dict(zip(read.keys, row, strict=True)) for row in read.rows(engine, params)]
     if not rows:
         return None
-    first = rows[0]._mapping
+    first = rows[0]
     attempt = None
     if first["attempt_id"] is not None:
         attempt = {k: first[f"attempt_{k}"] for k in OVERVIEW_ATTEMPT_COLUMNS}
@@ -169,7 +177,7 @@ def get_run_overview(*, session: Session, run_id: int, owner: str | None = None)
         content_hash=first["recipe_content_hash"],
         recipe=first["recipe_parsed"],
         attempt=attempt,
-        anomalies_by_kind={r.anomaly_kind: int(r.anomaly_count) for r in rows if r.anomaly_kind is not None},
+        anomalies_by_kind={r["anomaly_kind"]: int(r["anomaly_count"]) for r in rows if r["anomaly_kind"] is not None},
     )
 
 

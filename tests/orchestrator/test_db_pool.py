@@ -72,3 +72,21 @@ def test_a_busy_connection_whose_server_went_away_fails_once_then_the_pool_recov
     with engine.connect() as conn:
         assert conn.scalar(sa.text("SELECT 1")) == 1
     engine.dispose()
+
+
+def test_a_driver_read_whose_server_went_away_fails_as_sqlalchemy_would_then_the_pool_recovers(
+    pg_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``DriverRead`` bypasses SQLAlchemy's execution: a dead connection still surfaces as SQLAlchemy's
+    OperationalError (the API's 503), is not handed out again, and the next read connects afresh."""
+    monkeypatch.setattr(db, "PING_IDLE_S", 3600.0)
+    engine = db.make_engine(pg_url)
+    read = db.DriverRead(sa.select(sa.func.pg_backend_pid().label("pid")))
+    [(pid,)] = read.rows(engine, {})
+    _kill_backend(pg_url, int(pid))
+    with pytest.raises(sa.exc.OperationalError) as failed:
+        read.rows(engine, {})
+    assert failed.value.connection_invalidated
+    [(fresh,)] = read.rows(engine, {})
+    assert fresh != pid
+    engine.dispose()
