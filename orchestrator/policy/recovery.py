@@ -74,7 +74,9 @@ crashed → ``crash_restart``: resume from the newest **valid** lineage checkpoi
 not numeric, and the run had carried on past that checkpoint under the same settings; if its state was bad the
 detectors will say so and the numeric policy rolls back to a healthy one). Invalid (corrupt/deleted) ones are
 skipped, so a corrupt newest checkpoint means the previous one. None valid → initialisation. Overrides and
-``data_offset`` unchanged, no re-warm.
+``data_offset`` unchanged, no re-warm, except where the restart resumes from the very point the crashed attempt
+started from (it crashed before its first checkpoint): then it is that attempt again, with its plan's re-warm and,
+if its LR probe had not chosen yet, the probe.
 
 succeeded / cancelled / config_error → ``ValueError``: there is nothing to recover (a config error fails the run
 by its own rule, ``orchestrator/policy/rules.py``), and a ``GiveUp`` would wrongly fail the run.
@@ -84,7 +86,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from contracts.overrides import apply_overrides, get_path
@@ -142,6 +144,10 @@ class AttemptRecord:
     """crashed: what happened."""
     resumed_from_id: int | None = None
     """Id of the checkpoint it resumed from (the attempt's parent_checkpoint_id)."""
+    rewarm_steps: int = 0
+    """The re-warm its plan asked for."""
+    pending_probe: ProbePlan | None = None
+    """The LR probe its plan asked for, while no choice is recorded (it had not finished)."""
 
     def __post_init__(self) -> None:
         if self.kind not in ATTEMPT_KINDS:
@@ -328,7 +334,20 @@ def _crash_restart(
     budget = eff.recovery.max_crash_restarts
     if used >= budget:
         return GiveUp(f"{_ended(last)}; crash restart budget exhausted ({used}/{budget})")
-    return _resume_newest(last, lineage, kind="crash_restart", ended=_ended(last), note="")
+    plan = _resume_newest(last, lineage, kind="crash_restart", ended=_ended(last), note="")
+    if plan.parent_checkpoint_id != last.resumed_from_id or not (last.rewarm_steps or last.pending_probe):
+        return plan
+    # it crashed before its first checkpoint: the restart is that attempt again, with its re-warm, and its probe
+    # when that had not chosen (else a crash mid-probe would train at the cut LR untried)
+    redo = [f"re-warm {last.rewarm_steps} steps"] if last.rewarm_steps else []
+    if last.pending_probe is not None:
+        redo.append(_probe_text(last.pending_probe))
+    return replace(plan, rewarm_steps=last.rewarm_steps, lr_probe=last.pending_probe,
+                   reason=f"{plan.reason}; it crashed before its first checkpoint, so again {' and '.join(redo)}")
+
+
+def _probe_text(probe: ProbePlan) -> str:
+    return f"lr probe of {', '.join(num(c) for c in probe.candidates)} for {probe.steps} steps each"
 
 
 def _resume_newest(
@@ -395,7 +414,7 @@ def _numeric_retry(
         texts.append(f"re-warm {rewarm} steps")
     probe = probe_plan(eff, next((c.new for c in changes if c.path == LR), None))
     if probe is not None:
-        texts.append(f"lr probe of {', '.join(num(c) for c in probe.candidates)} for {probe.steps} steps each")
+        texts.append(_probe_text(probe))
     data_offset = last.data_offset
     if rec.skip_data_window:
         data_offset += max(0, onset - resume_step + 1)

@@ -16,7 +16,7 @@ from typing import Any
 import sqlalchemy as sa
 from sqlalchemy.orm import Session
 
-from contracts.wire import EndEvent, finite_or_none
+from contracts.wire import EndEvent, ProbePlan, finite_or_none
 from orchestrator.policy.recovery import ATTEMPT_KINDS, AttemptRecord, CheckpointRecord
 from orchestrator.policy.states import TERMINAL_ATTEMPT_STATES, AttemptState
 from orchestrator.store.models import Attempt, CheckpointRow, Run
@@ -100,6 +100,8 @@ def attempt_record(attempt: Attempt, outcome: AttemptState | None = None) -> Att
         median_grad_norm=end.median_grad_norm if end is not None else None,
         error=stored.error,
         resumed_from_id=attempt.parent_checkpoint_id,
+        rewarm_steps=int((attempt.plan or {}).get("rewarm_steps") or 0),
+        pending_probe=ProbePlan.from_plan(attempt.plan),
     )
 
 

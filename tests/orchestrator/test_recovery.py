@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
 from functools import partial
 from typing import Any
 
@@ -478,6 +479,43 @@ def test_crash_of_a_retry_resumes_in_its_own_lineage() -> None:
     # and without the parent id, the lineage falls back to the previous attempt up to the start step
     orphan = AttemptRecord(2, "numeric_retry", "crashed", start_step=600, overrides=first.overrides_json())
     assert plan(r, [diverged(1, 812), orphan], EVERY_100).resume_step == 600
+
+
+def _probed_retry(outcome: str, **kw: Any) -> tuple[Recipe, list[AttemptRecord], RecoveryPlan]:
+    """Attempt 2: the numeric retry of attempt 1's divergence at 812 (from step 800, re-warm 20, an LR probe), ended
+    with ``outcome``."""
+    r = recipe(optimizer={"lr": 3e-3})
+    retry = plan(r, [diverged(1, 812)], EVERY_100)
+    assert retry.lr_probe is not None and retry.rewarm_steps == 20
+    second = follow(diverged(1, 812), retry, 2, outcome=outcome, rewarm_steps=retry.rewarm_steps, **kw)
+    return r, [diverged(1, 812), second], retry
+
+
+def test_a_crash_before_the_retrys_first_checkpoint_runs_that_retry_again_probe_included() -> None:
+    r, history, retry = _probed_retry("crashed", error="worker died", pending_probe=None)
+    probing = replace(history[1], pending_probe=retry.lr_probe)  # it died inside the probe: no choice recorded
+    p = plan(r, [history[0], probing], EVERY_100)
+    assert p.kind == "crash_restart"
+    assert (p.resume_from, p.resume_step) == (retry.resume_from, 800)
+    assert (p.rewarm_steps, p.lr_probe, p.overrides) == (20, retry.lr_probe, retry.overrides)
+    assert p.reason == (
+        "attempt 2 crashed (worker died); resumed from step 800 with unchanged settings; it crashed before its "
+        "first checkpoint, so again re-warm 20 steps and lr probe of 0.0015, 0.000375, 9.375e-05 for 100 steps each"
+    )
+    # the probe had chosen (its LR is in the overrides) before the crash: the re-warm again, no second probe
+    chosen = plan(r, history, EVERY_100)
+    assert (chosen.resume_step, chosen.rewarm_steps, chosen.lr_probe) == (800, 20, None)
+    assert chosen.reason.endswith("so again re-warm 20 steps")
+
+
+def test_a_crash_after_the_retrys_first_checkpoint_resumes_there_without_re_warm_or_probe() -> None:
+    r, history, retry = _probed_retry("crashed", error="worker died", pending_probe=None)
+    mid_probe = replace(history[1], pending_probe=retry.lr_probe)
+    own = [CheckpointRecord(20, 2, 850, "file:///ck/2/850", healthy=True)]
+    for last in (history[1], mid_probe):
+        p = plan(r, [history[0], last], EVERY_100 + own)
+        assert (p.resume_from, p.rewarm_steps, p.lr_probe) == (own[0], 0, None)
+        assert p.reason == "attempt 2 crashed (worker died); resumed from step 850 with unchanged settings"
 
 
 def test_crash_reason_is_one_line_with_a_tracebacks_exception() -> None:

@@ -294,3 +294,30 @@ def test_a_retry_probes_its_lr_and_trains_at_the_one_it_chose(
     # the early blow-up also added a warmup: the LR ramps up to the chosen one and stays there (constant decay)
     assert len(lrs) == 40 and max(lrs) == pytest.approx(probe["chosen"]) and lrs[-1] == pytest.approx(probe["chosen"])
     assert steps_of(factory, second.id) == list(range(40))  # restarted from initialisation; no probe step in it
+
+
+def test_a_worker_killed_inside_the_probe_is_restarted_into_the_probe_again(
+    ray_cluster: Any, store: tuple[Settings, sessionmaker[Session]]
+) -> None:
+    """The retry's worker is SIGKILLed at step 3 of its LR probe, before any choice or checkpoint: the crash restart
+    runs the probe again (not the cut LR untried) and trains at what it chooses."""
+    settings, factory = store
+    doc = recipe_doc(EXPLODING_RNN, name="probe-crash", schedule={"warmup_steps": 0, "decay": "constant"},
+                     recovery={"rewarm_steps": 0, "lr_probe": {"mode": "on", "steps": 8}},
+                     faults=[{"type": "kill_worker", "step": 3, "attempt": 2}])
+    run_id = submit(factory, doc)
+    drive(Scheduler(settings, factory), factory, run_id)
+
+    with transaction(factory) as s:
+        run = s.get(Run, run_id)
+        assert run is not None and run.state == "succeeded", run.reason
+        assert (run.retries_used, run.crash_restarts_used) == (1, 1)
+    first, second, third = attempts_of(factory, run_id)
+    assert (first.state, second.kind, second.state, third.kind) == (
+        "diverged", "numeric_retry", "crashed", "crash_restart")
+    assert "chosen" not in second.plan["lr_probe"] and second.overrides["optimizer.lr"] == [1.0, 0.25]
+    probe = third.plan["lr_probe"]
+    assert probe["candidates"] == [0.25, 0.0625, 0.015625] and probe["chosen"] in (0.0625, 0.015625)
+    assert third.overrides["optimizer.lr"] == [1.0, probe["chosen"]]
+    assert third.reason is not None and "it crashed before its first checkpoint, so again lr probe of" in third.reason
+    assert steps_of(factory, third.id) == list(range(40))

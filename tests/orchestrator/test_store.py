@@ -10,6 +10,7 @@ import sqlalchemy as sa
 from sqlalchemy.orm import Session, sessionmaker
 
 from contracts.recipe import validate_recipe_data
+from contracts.wire import ProbePlan
 from orchestrator.policy.rules import Happening, Note, Resolution, Situation, Why, resolve
 from orchestrator.policy.states import AttemptState, RunState
 from orchestrator.store.db import transaction
@@ -120,7 +121,14 @@ def test_a_stored_outcome_with_an_end_event_and_the_verdict_on_top() -> None:
         2, "numeric_retry", "crashed", 10, 25, 30)
     assert (rec.detector, rec.value, rec.median_grad_norm, rec.loss_scale_collapsed) == ("loss_spike", 9.5, 1.5, True)
     assert (rec.data_offset, rec.error, rec.resumed_from_id) == (3, "RuntimeError: boom", 7)
+    assert (rec.rewarm_steps, rec.pending_probe) == (0, None)
     assert end_event_data(att) == {"final_step": 30, "onset_step": 25, "detector": "loss_spike"}
+    probe = {"candidates": [0.05, 0.0125], "steps": 10}
+    att.plan = {"rewarm_steps": 20, "lr_probe": probe}  # the probe had not chosen when the attempt ended
+    rec = attempt_record(att)
+    assert (rec.rewarm_steps, rec.pending_probe) == (20, ProbePlan(candidates=(0.05, 0.0125), steps=10))
+    att.plan = {"rewarm_steps": 20, "lr_probe": {**probe, "chosen": 0.0125}}
+    assert attempt_record(att).pending_probe is None
 
 
 def test_a_verdict_without_an_end_event() -> None:
