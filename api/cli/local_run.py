@@ -97,6 +97,8 @@ class LocalAttempt:
             median_grad_norm=end.median_grad_norm if end is not None else None,
             error=self.ended.error,
             resumed_from_id=self.resumed_from.id if self.resumed_from is not None else None,
+            rewarm_steps=self.spec.rewarm_steps,
+            pending_probe=self.spec.lr_probe if self.lr_probe is None else None,  # lr_probe: the probe's result
         )
 
     def to_dict(self, checkpoints: Sequence[CheckpointRecord]) -> dict[str, Any]:

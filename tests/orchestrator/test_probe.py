@@ -157,3 +157,17 @@ def test_a_bad_mode_names_the_field() -> None:
     with pytest.raises(RecipeError, match="recovery.lr_probe.mode"):
         load_recipe("apiVersion: ballast/v1\nkind: StabilityRecipe\nname: t\nrecovery:\n  lr_probe:\n"
                     "    mode: sometimes\n")
+
+
+def test_ballast_train_tells_the_policy_a_probe_it_did_not_finish() -> None:
+    """``ballast train``'s attempt record (``LocalAttempt.record``) carries the plan's re-warm and, until the probe
+    reports a choice, the probe, as the store's ``attempt_record`` does: a crash mid-probe is restarted into it."""
+    from api.cli.local_run import Ended, LocalAttempt, LocalRun
+
+    probe = ProbePlan((1e-3, 2.5e-4), 10)
+    spec = AttemptSpec(recipe=recipe(), checkpoint_dir="/tmp/x", lr_probe=probe, rewarm_steps=20)
+    attempt = LocalAttempt(number=2, kind="numeric_retry", spec=spec, overrides={"optimizer.lr": [4e-3, 1e-3]},
+                           ended=Ended("crashed", None, {}, error="boom"))
+    assert (attempt.record().rewarm_steps, attempt.record().pending_probe) == (20, probe)
+    LocalRun._record_probe(attempt, {"chosen": 2.5e-4, "steps_run": 20, "candidates": []})
+    assert attempt.record().pending_probe is None and attempt.overrides["optimizer.lr"] == [4e-3, 2.5e-4]
