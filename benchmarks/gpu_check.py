@@ -167,7 +167,7 @@ def part_stall(dry: bool) -> dict[str, Any]:
     """The loop's stall per checkpoint (``timing.stall_s``: its whole time in ``save``) against the copy of the
     state to host memory (``timing.copy_s``), on a model whose weights and AdamW moments are >= 1 GB; medians over
     the checkpoints but the last (the attempt's end drains it). Target: stall <= 1.5x copy."""
-    model = gpt(64, 2, vocab=64, context=32) if dry else gpt(1536, 10, vocab=8192, context=256)
+    model = gpt(64, 2, vocab=64, context=32) if dry else gpt(1024, 8, vocab=8192, context=256)
     every = 10 if dry else 20
     with tempfile.TemporaryDirectory() as tmp:
         sink = StampedSink()
