@@ -93,7 +93,8 @@ class DriverRead:
     fixed statement does not need (the session's transaction bookkeeping, the result metadata built from the
     cursor's description, which psycopg creates anew per column per execution). Rows come back as tuples in the
     statement's column order, each value through its column type's result processor, as SQLAlchemy would give
-    them. The read runs in autocommit (one statement sees one snapshot; no BEGIN/ROLLBACK round trips).
+    them. The read runs in autocommit (one statement sees one snapshot; no BEGIN/ROLLBACK round trips). What it
+    gives up: SQLAlchemy's statement events and ``echo`` logging do not see it.
     """
 
     def __init__(self, stmt: sa.Select[Any]) -> None:
