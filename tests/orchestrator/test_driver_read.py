@@ -8,6 +8,8 @@ from typing import Any
 
 import pytest
 import sqlalchemy as sa
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from sqlalchemy.orm import Session, sessionmaker
 
 from orchestrator.store import repo
@@ -92,3 +94,52 @@ def test_the_connection_goes_back_to_the_pool_transactional(
     with session_factory() as s:
         run = s.get(Run, run_id)
         assert run is not None and run.reason == "loss spike at step 43"
+
+
+_text = st.text(st.characters(blacklist_categories=("Cs",), blacklist_characters="\x00"), max_size=30)
+_floats = st.floats(allow_nan=False, allow_infinity=False, width=32) | st.none()
+_json = st.recursive(
+    st.none() | st.booleans() | st.integers(-(2**40), 2**40) | _floats | _text,
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(_text, inner, max_size=3),
+    max_leaves=8,
+)
+_times = st.datetimes(min_value=datetime(2000, 1, 1), max_value=datetime(2100, 1, 1), timezones=st.just(UTC))
+
+
+@given(
+    reason=_text | st.none(), best_loss=_floats, last_step=st.integers(0, 2**31 - 1) | st.none(),
+    started_at=_times | st.none(), plan=st.dictionaries(_text, _json, max_size=4), outcome=_json,
+    overrides=st.dictionaries(_text, st.lists(_json, min_size=2, max_size=2), max_size=3),
+    kinds=st.lists(st.sampled_from(["loss_spike", "nonfinite", "grad_norm_spike", "stalled"]), max_size=6),
+    attempts=st.integers(0, 3),
+)
+@settings(max_examples=25, suppress_health_check=[HealthCheck.function_scoped_fixture])
+def test_any_run_reads_back_as_sqlalchemy_reads_it(
+    engine: sa.Engine, session_factory: sessionmaker[Session], reason: str | None, best_loss: float | None,
+    last_step: int | None, started_at: datetime | None, plan: dict[str, Any], outcome: Any,
+    overrides: dict[str, Any], kinds: list[str], attempts: int,
+) -> None:
+    """Whatever a run holds (text, NULLs, JSON of any shape, timestamps), the driver read gives what SQLAlchemy's
+    execution of the same statement gives, value and Python type (seeded: the suite's hypothesis profile)."""
+    run_id = seed_run(session_factory, owner="alice")
+    with session_factory() as s:
+        ids = []
+        for number in range(1, attempts + 1):
+            att = Attempt(run_id=run_id, number=number, state="running", overrides=overrides, plan=plan,
+                          outcome=outcome, started_at=started_at)
+            s.add(att)
+            s.flush()
+            ids.append(att.id)
+        for seq, kind in enumerate(kinds if ids else [], start=1):
+            s.add(AnomalyRow(run_id=run_id, attempt_id=ids[-1], seq=seq, step=seq, kind=kind, detector=kind,
+                             value=best_loss, threshold=None, action="record"))
+        run = s.get(Run, run_id)
+        assert run is not None
+        run.reason, run.best_loss, run.last_step, run.started_at = reason, best_loss, last_step, started_at
+        run.current_attempt = attempts
+        s.commit()
+    stmt = _overview_statement(True)
+    params = {"run_id": run_id, "owner": "alice"}
+    with session_factory() as s:
+        expected = [tuple(r) for r in s.execute(stmt, params).all()]
+    assert _typed(DriverRead(stmt).rows(engine, params)) == _typed(expected)
