@@ -148,6 +148,7 @@ def _overview_statement(by_owner: bool) -> sa.Select[Any]:
 
 
 _OVERVIEW_READS = {by_owner: DriverRead(_overview_statement(by_owner)) for by_owner in (False, True)}
+_OVERVIEW_COUNT_AT = tuple(_OVERVIEW_READS[False].keys.index(k) for k in ("anomaly_kind", "anomaly_count"))
 
 
 def get_run_overview(*, session: Session, run_id: int, owner: str | None = None) -> RunOverview | None:
@@ -165,10 +166,11 @@ def get_run_overview(*, session: Session, run_id: int, owner: str | None = None)
     read = _OVERVIEW_READS[owner is not None]
     engine = session.get_bind()
     assert isinstance(engine, sa.Engine), "sessions are bound to engines (make_session_factory)"
-    rows = [dict(zip(read.keys, row, strict=True)) for row in read.rows(engine, params)]
+    rows = read.rows(engine, params)
     if not rows:
         return None
-    first = rows[0]
+    first = dict(zip(read.keys, rows[0], strict=True))  # the other rows differ only in the anomaly count columns
+    kind, count = _OVERVIEW_COUNT_AT
     attempt = None
     if first["attempt_id"] is not None:
         attempt = {k: first[f"attempt_{k}"] for k in OVERVIEW_ATTEMPT_COLUMNS}
@@ -177,7 +179,7 @@ def get_run_overview(*, session: Session, run_id: int, owner: str | None = None)
         content_hash=first["recipe_content_hash"],
         recipe=first["recipe_parsed"],
         attempt=attempt,
-        anomalies_by_kind={r["anomaly_kind"]: int(r["anomaly_count"]) for r in rows if r["anomaly_kind"] is not None},
+        anomalies_by_kind={r[kind]: int(r[count]) for r in rows if r[kind] is not None},
     )
 
 
