@@ -132,6 +132,13 @@ class Clipper:
             return self._clip_agc()
         return self._clip_zscore(grads, total)
 
+    def scale_to(self, bound: float, total: float) -> None:
+        """Scale the grads, whose global norm is ``total`` (after ``clip``), down to at most ``bound``: the
+        guard's own clip of a recurring spike (``DetectorSuite._recurring_spike_bound``), on top of the recipe's."""
+        grads = _grads(self.params)
+        if grads and total > bound:
+            _mul_(grads, torch.tensor(bound / (total + _EPS), dtype=torch.float32))
+
     def _clip_to(self, grads: list[Tensor], total: Tensor, bound: Tensor) -> Tensor:
         coef = (bound / (total + _EPS)).clamp(max=1.0)
         _mul_(grads, coef)

@@ -9,7 +9,9 @@ Read it top to bottom: ``GuardedTrainer.train()`` → ``train_step()``. Each ste
 4. **one all-gather of every rank's signals packet** (``workers/signals.py``): the only host sync of an ordinary
    step, from which every rank derives the same ``StepSignals`` and so the same decision;
 5. the guard: detectors → ``optimizer.step()`` **only** when loss and gradients are finite on every rank and the
-   decision is ``record``; ``skip_step`` and non-finite steps zero the grads; ``rollback`` ends the attempt;
+   decision is ``record``; ``skip_step`` and non-finite steps zero the grads (but the second and later steps of
+   a run of finite skips apply their update clipped to the healthy norm: ``Decision.clip_to``); ``rollback``
+   ends the attempt;
 6. telemetry through the sink (rank 0 only; never blocks), checkpoints every ``checkpoint.every_steps`` (the
    loop pays for the copy to host memory; the write runs in the background, ``workers/checkpoint_writer.py``).
 
@@ -292,7 +294,9 @@ class GuardedTrainer:
 
         # 4. the guard: the detectors decide; the weights change only if every rank's numbers are finite
         decision = self.detectors.observe(signals)
-        apply = signals.finite and decision.action is Action.record
+        apply = signals.finite and (decision.action is Action.record or decision.clip_to is not None)
+        if apply and decision.clip_to is not None:  # a recurring spike: the weights' fault, a bounded update
+            self.clipper.scale_to(decision.clip_to, gathered.clipped_norm)
         snapshot = param_snapshot(self.params) if apply and self._is_snapshot_step(step) else None
         if apply:
             self.optimizer.step()
@@ -373,7 +377,9 @@ class GuardedTrainer:
             self.sink.emit("anomaly", f.to_event())
         static_scale = self.recipe.precision.static_scale if self.scaler.enabled else None
         self.sink.emit("metric", metric_payload(
-            s, applied=applied, clipped_norm=gathered.clipped_norm, lr=lr,
+            s, applied=applied, lr=lr,
+            clipped_norm=gathered.clipped_norm if decision.clip_to is None else min(gathered.clipped_norm,
+                                                                                    decision.clip_to),
             loss_scale=s.loss_scale if s.loss_scale is not None else static_scale,
             throughput=self._samples_per_step / elapsed if elapsed > 0 else None,
         ))

@@ -148,6 +148,7 @@ class Detectors(Section):
     oscillation: OscillationDetector = Field(default_factory=OscillationDetector)
     """Oscillation / noise."""
     max_skipped_steps: StrictInt = Field(default=5, ge=1)
-    """skip_step escalates to rollback when more than this many steps were skipped ..."""
+    """skip_step escalates to rollback when more than this many steps were skipped (or, as the second and later of
+    consecutive spikes, applied with the gradient clipped to the healthy norm) ..."""
     skip_window: StrictInt = Field(default=50, ge=1)
     """... within this many steps."""

@@ -216,6 +216,43 @@ def test_grad_spike_with_skip_action_fires_on_every_spiking_step_and_keeps_its_b
     assert [f.step for f in findings(decisions)] == [300, 301, 302, 330]
     assert all(d.action is Action.skip_step for d in decisions[300:303])
     assert level is not None and suite.typical_grad_norm == pytest.approx(level, rel=0.5)
+    # the run's first spike is skipped; 301 and 302 spiked at the weights 300 left unchanged: applied, clipped
+    assert [d.clip_to is None for d in decisions[300:303]] == [True, False, False]
+    assert decisions[330].clip_to is None  # a new run
+
+
+def test_a_spike_that_recurs_at_unchanged_weights_is_applied_clipped_to_the_healthy_level() -> None:
+    """Skipping leaves the weights as they were, so a second spiking batch in a row says the weights, not the
+    batch, cause it: the first is skipped, the rest of the run applied with the gradient clipped to the EMA
+    level, and all of them still count towards escalation."""
+    series = edit(healthy(5, n=400), [300, 301, 302], grad_norm=lambda s: s.grad_norm * 10)
+    suite = DetectorSuite(Detectors())
+    decisions = [suite.observe(s) for s in series[:300]]
+    level = suite.typical_grad_norm
+    decisions += [suite.observe(s) for s in series[300:]]
+    assert level is not None
+    assert [(d.skip, d.clip_to) for d in decisions[300:304]] == [(True, None), (False, level), (False, level),
+                                                                (False, None)]
+    details = [f.details.get("applied_clipped_to") for f in findings(decisions)]
+    assert details == [None, level, level]
+    assert list(suite.skipped_steps) == [300, 301, 302]
+
+
+def test_a_persistent_spike_applied_clipped_still_escalates_to_rollback() -> None:
+    spikes = list(range(300, 306))  # 6 in a row; max_skipped_steps 5
+    decisions = run(edit(healthy(4, n=400), spikes, grad_norm=lambda s: s.grad_norm * 1e4))
+    assert [decisions[i].action for i in spikes] == [Action.skip_step] * 5 + [Action.rollback]
+    assert [decisions[i].clip_to is not None for i in spikes[:5]] == [False, True, True, True, True]
+    assert decisions[305].onset_step == 300
+
+
+def test_a_spike_right_after_a_nonfinite_step_is_skipped_not_applied() -> None:
+    """Only a run of finite skips shows that the weights spike on every batch; after a NaN step the guard stays
+    conservative."""
+    series = edit(healthy(6, n=400), [300], loss=NAN, finite=False)
+    series = edit(series, [301], grad_norm=lambda s: s.grad_norm * 1e4)
+    decisions = run(series, cfg_with(nonfinite={"action": "skip_step"}))
+    assert [(d.action, d.clip_to) for d in decisions[300:302]] == [(Action.skip_step, None)] * 2
 
 
 # ---------------------------------------------------------------------------------------- loss / divergence
@@ -499,7 +536,7 @@ def faulty_stream(seed: int) -> list[StepSignals]:
 
 
 def events(decisions: list[Decision]) -> list[tuple[str, Any, Any]]:
-    return [(str(d.action), d.onset_step, [f.to_event() for f in d.findings]) for d in decisions]
+    return [(str(d.action), d.onset_step, d.clip_to, [f.to_event() for f in d.findings]) for d in decisions]
 
 
 @pytest.mark.parametrize("cut", [120, 301, 350, 640, 801])

@@ -123,6 +123,26 @@ def test_gradient_spike_on_one_step_is_detected_and_skipped(tmp_path: Path) -> N
     assert metric40["skipped"] is True and metric40["grad_norm_clipped"] is None
 
 
+def test_a_spike_on_two_steps_in_a_row_is_skipped_then_applied_clipped(tmp_path: Path) -> None:
+    """Step 41 spikes at the weights that skipping step 40 left unchanged: its update is applied after all, the
+    gradient scaled down to the healthy norm, and the run goes on without a rollback."""
+    sink = ListSink()
+    faults = [{"type": "grad_scale", "step": step, "factor": 1e4} for step in (40, 41)]
+    recipe = make_recipe(faults=faults, optimizer={"name": "sgd", "lr": 0.1}, clipping={"method": "none"})
+    res = run(recipe, tmp_path, sink)  # plain SGD, no clipping: the x1e4 gradient applied as it is would blow up
+    assert res.outcome == "succeeded"
+    assert max(res.losses[42:]) < 1.2 * res.losses[39]
+    spikes = [f for f in res.findings if f["kind"] == "grad_norm_spike"]
+    assert [(f["step"], f["action"]) for f in spikes] == [(40, "skip_step"), (41, "skip_step")]
+    assert res.skipped_steps == [40]
+    bound = spikes[1]["details"]["applied_clipped_to"]
+    assert "applied_clipped_to" not in spikes[0]["details"]
+    assert 0.5 * min(res.grad_norms[30:40]) < bound < 2 * max(res.grad_norms[30:40])  # the healthy level
+    metrics = {m["step"]: m for m in sink.of_type("metric")}
+    assert metrics[41]["skipped"] is False and metrics[41]["grad_norm"] > 1e3 * bound
+    assert metrics[41]["grad_norm_clipped"] == pytest.approx(bound, rel=1e-3)
+
+
 def test_high_lr_without_warmup_diverges_with_onset(tmp_path: Path) -> None:
     recipe = make_recipe(model={"d_model": 128, "n_heads": 4}, optimizer={"name": "adamw", "lr": 0.1},
                          schedule={"warmup_steps": 0})

@@ -20,6 +20,11 @@ Rules shared by all detectors:
   what the recipe asked for); those skips count towards escalation like any other.
 - **Escalation**: more than ``max_skipped_steps`` skip_step decisions within ``skip_window`` steps add a rollback
   finding of kind ``skip_escalation`` (onset: the first skipped step in the window).
+- **A skip that recurs is the weights' fault**: a skipped update leaves the weights unchanged, so a finite step
+  that must be skipped right after a finite skip spiked on another batch at the same weights. The first step of
+  such a run is skipped; the second and later ones are applied with their gradient clipped to the healthy level
+  (``Decision.clip_to``; the findings' ``details.applied_clipped_to``). They count towards escalation all the
+  same: a spike that persists is still rolled back, one that the next update leaves behind is not.
 - **fp16**: a GradScaler overflow (``overflow=True`` with a finite loss) is normal and not a finding; the scaler
   already dropped that update. The signal is a collapsing scale or overflows on most recent steps. A non-finite
   *loss* under fp16 is still a nonfinite finding: loss scaling cannot fix a forward pass that overflowed.

@@ -103,10 +103,14 @@ class Decision:
     onset_step: int | None
     """Earliest onset (first step of the anomalous run) among the findings whose action is ``action``; None
     when nothing fired."""
+    clip_to: float | None = None
+    """Set on a ``skip_step`` decision that recurs on the step right after one (the weights unchanged in
+    between): apply the update after all, its gradient's global norm clipped to this (the healthy level)."""
 
     @property
     def skip(self) -> bool:
-        return self.action is Action.skip_step
+        """The update is discarded (a recurring spike's clipped update is applied instead: ``clip_to``)."""
+        return self.action is Action.skip_step and self.clip_to is None
 
     @property
     def rollback(self) -> bool:

@@ -39,6 +39,9 @@ class DetectorSuite:
         ]
         self.skipped_steps: deque[int] = deque()
         self.last_finding_step: int | None = None
+        self.spike_run_last: int | None = None
+        """The last step of the current run of consecutive finite ``skip_step`` decisions (None: the last step was
+        not one): ``_recurring_spike_bound``."""
 
     def observe(self, s: StepSignals) -> Decision:
         findings: list[Finding] = []
@@ -57,6 +60,8 @@ class DetectorSuite:
         for f in findings:
             action = stronger(action, f.action)
 
+        absorb = action is Action.record
+        clip_to = None
         if action is Action.skip_step:
             cfg = self.cfg
             self.skipped_steps.append(s.step)
@@ -71,15 +76,36 @@ class DetectorSuite:
                              "config": {"max_skipped_steps": cfg.max_skipped_steps, "skip_window": cfg.skip_window}},
                 ))
                 action = Action.rollback
+            clip_to = self._recurring_spike_bound(s)
+            if clip_to is not None:
+                for f in findings:
+                    if f.action is Action.skip_step:
+                        f.details["applied_clipped_to"] = clip_to
+        self.spike_run_last = s.step if action is Action.skip_step and s.finite else None
 
-        absorb = action is Action.record
         for det in self._detectors:
             det.commit(absorb)
         if findings:
             self.last_finding_step = s.step
         # the onset that matters is that of the findings that decided the action (a rollback's, not a record's)
         onset = min((int(f.details["onset_step"]) for f in findings if f.action is action), default=None)
-        return Decision(findings=findings, action=action, onset_step=onset)
+        return Decision(findings=findings, action=action, onset_step=onset, clip_to=clip_to)
+
+    def _recurring_spike_bound(self, s: StepSignals) -> float | None:
+        """The norm to clip this step's gradient to and apply it, or None to skip it as the detectors say.
+
+        The first step of a run of consecutive finite skips is skipped: the batch gets the benefit of the doubt.
+        A skipped update leaves the weights as they were, so when the next step must be skipped too, a second,
+        different batch spiked at the same weights: the cause is the weights, not the batch, and skipping more
+        batches cannot move them. So the second and later steps of the run are applied, their gradient clipped to
+        the healthy level (the grad-norm EMA's), which bounds the update whatever the recipe's clipping. They still
+        count towards the skip escalation, so a spike that persists is rolled back as before. Seen on an H200
+        (BENCHMARKS.md, "The CUDA paths"): a single x10 step on a plateau that skipping turned into six and a
+        rollback of a healthy run; with the update applied, the next step's norm was back to normal.
+        """
+        if self.spike_run_last != s.step - 1 or not s.finite or not math.isfinite(s.grad_norm):
+            return None
+        return self.grad_norm_spike.level
 
     # ---------------------------------------------------------------------------- for checkpoints and the end
     def loss_in_bounds(self, loss: float) -> bool:
@@ -110,6 +136,7 @@ class DetectorSuite:
             "detectors": {d.name: d.state() for d in self._all()},
             "skipped_steps": list(self.skipped_steps),
             "last_finding_step": self.last_finding_step,
+            "spike_run_last": self.spike_run_last,
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -122,6 +149,8 @@ class DetectorSuite:
             self.skipped_steps = deque(int(x) for x in state["skipped_steps"])
             lf = state["last_finding_step"]
             self.last_finding_step = None if lf is None else int(lf)
+            run_last = state.get("spike_run_last")  # absent from states saved before it existed
+            self.spike_run_last = None if run_last is None else int(run_last)
         except (KeyError, TypeError, ValueError, AttributeError) as exc:
             raise ValueError(f"invalid detector state: {exc!r}") from None
 
