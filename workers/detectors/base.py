@@ -104,8 +104,9 @@ class Decision:
     """Earliest onset (first step of the anomalous run) among the findings whose action is ``action``; None
     when nothing fired."""
     clip_to: float | None = None
-    """Set on a ``skip_step`` decision that recurs on the step right after one (the weights unchanged in
-    between): apply the update after all, its gradient's global norm clipped to this (the healthy level)."""
+    """Set on the second and later steps of a run of consecutive finite ``skip_step`` decisions (a spike that
+    recurred at the weights the first skip left unchanged): apply the update after all, its gradient's global norm
+    clipped to this (the healthy level)."""
 
     @property
     def skip(self) -> bool:
