@@ -8,7 +8,7 @@ import typer
 
 from api.cli.app import app
 from api.cli.options import CursorOpt, JsonOpt, RunArg, TokenOpt, UrlOpt, connect, console, echo_json
-from api.cli.render import number, page_footer, sparkline, table
+from api.cli.render import action_text, number, page_footer, sparkline, table
 
 StepMinOpt = Annotated[int | None, typer.Option("--step-min", min=0, show_default=False)]
 StepMaxOpt = Annotated[int | None, typer.Option("--step-max", min=0, show_default=False)]
@@ -44,7 +44,7 @@ def anomalies(
     for a in page.get("data", []):
         rows.add_row(
             str(a.get("attempt")), str(a.get("step")), a.get("kind") or "", a.get("detector") or "",
-            number(a.get("value")), number(a.get("threshold")), a.get("action") or "",
+            number(a.get("value")), number(a.get("threshold")), action_text(a),
         )
     out = console()
     out.print(rows)

@@ -66,12 +66,22 @@ def failed_as(run: Mapping[str, Any]) -> str:
     return f" [{kind}]" if kind and run.get("state") == "failed" else ""
 
 
+def action_text(a: Mapping[str, Any]) -> str:
+    """What a finding's step did: its action, and for a skip that recurred at unchanged weights the update applied
+    instead, clipped to the healthy norm (``details.applied_clipped_to``): ``skip_step`` alone would say the step
+    was discarded."""
+    clipped = as_float((a.get("details") or {}).get("applied_clipped_to"))
+    if clipped is not None and math.isfinite(clipped):
+        return f"{a.get('action')} → applied, clipped to {number(clipped)}"
+    return str(a.get("action") or "")
+
+
 def anomaly_line(a: Mapping[str, Any]) -> str:
     thr = f" > {number(a.get('threshold'))}" if a.get("threshold") is not None else ""
     det = f" ({a['detector']})" if a.get("detector") and a.get("detector") != a.get("kind") else ""
     return (
         f"anomaly: attempt {a.get('attempt', '?')} step {a.get('step')}: {a.get('kind')}{det} "
-        f"value {number(a.get('value'))}{thr}, action {a.get('action')}"
+        f"value {number(a.get('value'))}{thr}, action {action_text(a)}"
     )
 
 

@@ -262,6 +262,27 @@ def test_anomalies_lists_and_filters(url: str, recipe_file: Path, session_factor
     assert res.exit_code == 2 and "kind" in res.output and "loss_spike" in res.output, res.output
 
 
+def test_anomalies_say_when_a_skipped_step_was_applied_clipped(
+    url: str, recipe_file: Path, session_factory: sessionmaker[Session], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A skip that recurred at unchanged weights is applied clipped (``details.applied_clipped_to``): the table
+    says so rather than a bare ``skip_step``, which would claim the update was discarded."""
+    run_id = submit_id(url, recipe_file)
+    att_id = seed_attempt(session_factory, run_id, 1)
+    with session_factory() as session:
+        for seq, details in enumerate(({}, {"applied_clipped_to": 0.4231}), start=1):
+            session.add(AnomalyRow(run_id=run_id, attempt_id=att_id, seq=seq, step=30 + seq, kind="grad_norm_spike",
+                                   detector="grad_norm_spike", value=12.0, threshold=6.0, action="skip_step",
+                                   details=details))
+        session.commit()
+    monkeypatch.setenv("COLUMNS", "160")  # a terminal wide enough that the table does not wrap its cells
+    res = ballast("anomalies", str(run_id), "--url", url)
+    assert res.exit_code == 0, res.output
+    rows = {int(line.split()[1]): line for line in res.stdout.splitlines() if line.split()[:1] == ["1"]}
+    assert rows[31].rstrip().endswith("skip_step"), rows
+    assert rows[32].rstrip().endswith("skip_step → applied, clipped to 0.4231"), rows
+
+
 def test_metrics_series_json_and_sparkline(
     url: str, recipe_file: Path, session_factory: sessionmaker[Session]
 ) -> None:

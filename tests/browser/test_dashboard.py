@@ -144,6 +144,9 @@ def test_run_page_draws_attempts_anomalies_checkpoints_and_the_rollback(
     tip = page.locator("#chart-grad_norm .tip")
     tip.wait_for(state="visible")
     assert "grad_norm_spike" in tip.inner_text() and "vs threshold" in tip.inner_text()
+    # the anomaly table: a row per anomaly, its action as the API has it (none of these was applied clipped)
+    cells = page.locator("#anomalies tbody tr td:last-child").all_inner_texts()
+    assert sorted(cells) == sorted(a["action"] for a in anomalies)
 
     # the timeline: each attempt's reason and overrides diff
     timeline = page.inner_text("#timeline")
@@ -286,6 +289,26 @@ def test_runs_page_lists_filters_and_links_the_run(recovered: Recovered, server:
 def _fmt(v: float) -> str:
     """The dashboard's number format for an ordinary value: 4 significant digits."""
     return f"{float(f'{v:.4g}'):g}" if 1e-3 <= abs(v) < 1e5 else f"{v:.2e}".replace("e+", "e")
+
+
+@AUTH_OFF_ONLY
+def test_a_skip_applied_clipped_is_shown_as_applied(server: Server, open_page: Any) -> None:
+    """The anomaly table's and the chart tooltip's action text (``actionText``, the page's own module): a finding
+    whose recurring skip was applied clipped (``details.applied_clipped_to``) does not read as a discarded step."""
+    w = open_page("/")
+    page = w.page
+    page.wait_for_selector("main[data-ready=true]")
+    texts = page.evaluate("""async () => {
+      const { actionText } = await import('/static/dashboard/util.js');
+      return [
+        actionText({ action: 'skip_step', details: {} }),
+        actionText({ action: 'skip_step', details: { applied_clipped_to: 0.4231 } }),
+        actionText({ action: 'skip_step', details: { applied_clipped_to: 'NaN' } }),
+        actionText({ action: 'rollback' }),
+      ];
+    }""")
+    assert texts == ["skip_step", "skip_step → applied, clipped to 0.4231", "skip_step", "rollback"]
+    assert w.problems() == {}
 
 
 def test_editor_shows_validation_errors_next_to_their_lines(server: Server, open_page: Any) -> None:

@@ -6,7 +6,7 @@
 // `data-drawn`: every marker with its step and pixel position), which the hover tooltips read and the browser
 // tests assert on: the numbers come from the draw itself, not from the inputs.
 
-import { el, fmt, num } from './util.js';
+import { actionText, el, fmt, num } from './util.js';
 
 export const ATTEMPT_COLORS = ['#2563eb', '#d97706', '#059669', '#db2777', '#7c3aed', '#0891b2', '#65a30d'];
 const ACTION_COLORS = { rollback: '#dc2626', skip_step: '#ea580c', record: '#ca8a04' };
@@ -245,7 +245,8 @@ export function stepChart(spec) {
       ctx.lineWidth = 1 * dpr;
       triangle(ctx, x, y, 6 * dpr);
       out.anomalies.push({ id: an.id, step: an.step, onset_step: onset, attempt: an.attempt, kind: an.kind,
-        detector: an.detector, action: an.action, value: an.value, threshold: an.threshold,
+        detector: an.detector, action: an.action, action_text: actionText(an), value: an.value,
+        threshold: an.threshold,
         x: css(x, left), onset_x: css(ox, left), y: css(y, top) });
     }
     ctx.restore();
@@ -264,7 +265,7 @@ export function stepChart(spec) {
     const lines = [
       ...an.map((m) => `${m.kind} (detector ${m.detector}) · attempt ${m.attempt}, `
         + `${m.onset_step !== m.step ? `onset step ${m.onset_step}, detected at ${m.step}` : `step ${m.step}`}: `
-        + `${fmt(m.value)} vs threshold ${fmt(m.threshold)} → ${m.action}`),
+        + `${fmt(m.value)} vs threshold ${fmt(m.threshold)} → ${m.action_text}`),
       ...ck.map((m) => `checkpoint at step ${m.step} (attempt ${m.attempt}): ${m.healthy ? 'healthy' : 'unhealthy'}`
         + `${m.deleted ? ', deleted by retention' : ''}`),
       ...rb.map((m) => `${m.kind === 'crash_restart' ? 'restart' : 'rollback'}: attempt ${m.attempt} resumed `

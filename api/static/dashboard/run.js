@@ -9,7 +9,7 @@ import { exportForm } from './export.js';
 import { layerHeatmap } from './heatmap.js';
 import { applyOverrides, toYaml } from './yaml.js';
 import {
-  download, el, fill, fmt, fmtDuration, fmtTime, overrideLines, stateBadge, TERMINAL, throttle,
+  actionText, download, el, fill, fmt, fmtDuration, fmtTime, overrideLines, stateBadge, TERMINAL, throttle,
 } from './util.js';
 
 const CHARTS = [
@@ -340,7 +340,7 @@ function anomaliesTable(rows) {
         ? `${a.details.onset_step} → ${a.step}` : a.step),
       el('td', {}, a.kind, a.detector !== a.kind ? el('span', { class: 'muted' }, ` (${a.detector})`) : null),
       el('td', { class: 'num' }, fmt(a.value)), el('td', { class: 'num' }, fmt(a.threshold)),
-      el('td', {}, el('span', { class: `action action-${a.action}` }, a.action))))));
+      el('td', {}, el('span', { class: `action action-${a.action}` }, actionText(a)))))));
 }
 
 function checkpointsTable(rows) {

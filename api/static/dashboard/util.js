@@ -53,6 +53,14 @@ export function fmt(v, digits = 4) {
   return String(Number(n.toPrecision(digits)));
 }
 
+/** What a finding's step did: its action, and for a skip that recurred at unchanged weights the update applied
+ * instead, clipped to the healthy norm (the detectors' `details.applied_clipped_to`): "skip_step" alone would say
+ * the step was discarded. */
+export function actionText(a) {
+  const clipped = num(a.details?.applied_clipped_to);
+  return clipped !== null && Number.isFinite(clipped) ? `${a.action} → applied, clipped to ${fmt(clipped)}` : a.action;
+}
+
 const DATE = new Intl.DateTimeFormat(undefined, {
   year: 'numeric', month: '2-digit', day: '2-digit', hour: '2-digit', minute: '2-digit', second: '2-digit',
   hour12: false,
