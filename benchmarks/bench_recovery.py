@@ -8,7 +8,10 @@
 2. Steps/s of the same recipe through the service (Ray Train worker, events through the channel actor into the
    store) vs ``workers.entry.run_attempt`` in a plain process with a list sink, both on one CPU thread (a Ray
    worker with ``num_cpus=1`` runs torch single-threaded), checkpointing every 10 and every 100 steps, the pairs
-   interleaved in one run. Start-up is excluded from the rate: from the first to the last step's event.
+   interleaved in one run. Start-up is excluded from the rate: from the first to the last step's event. Beside
+   each rate, the CPU per step of the training thread and of the whole worker process (``ThreadCpu``, from
+   ``/proc``), and how much of the wall time the training thread ran, service over plain (steps/s × CPU per
+   step): the CPU a step costs moves with the neighbours' load, the share of time the loop gets to run does not.
 3. The loop's stall per checkpoint for a model with >= 50 MB of state (weights + AdamW moments), through the
    service and in a plain process, beside the time to copy that state to host memory, in the same run: the
    checkpoint event's ``timing`` (``stall_s``: the loop's time in ``Checkpointer.save``, ``copy_s``: its
@@ -22,12 +25,14 @@ Usage: ``python benchmarks/bench_recovery.py [--parts recovery,throughput,stall]
 from __future__ import annotations
 
 import argparse
+import bisect
 import json
 import os
 import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Mapping
 from pathlib import Path
@@ -115,6 +120,67 @@ def steps_per_s(stamped: list[tuple[int, float]]) -> float:
     return (s1 - s0) / (t1 - t0)
 
 
+class ThreadCpu:
+    """The CPU time of every thread of the processes whose command line contains ``marker`` (the Ray Train worker,
+    or the plain child), sampled from ``/proc`` every ``interval`` seconds while the context is open.
+
+    Steps/s on a shared machine moves with the neighbours' load far more than the CPU a step costs, so the
+    throughput part also reports the training thread's CPU per step on each side: a gap in that figure is work
+    the service adds to the loop itself; a gap in steps/s alone is the loop waiting (for a core, or for the GIL)."""
+
+    TICK = os.sysconf("SC_CLK_TCK")
+
+    def __init__(self, marker: str, interval: float = 0.2) -> None:
+        self.marker, self.interval = marker, interval
+        self.samples: list[tuple[float, dict[int, float]]] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._sample, name="bench-thread-cpu", daemon=True)
+
+    def __enter__(self) -> ThreadCpu:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def _sample(self) -> None:
+        while not self._stop.wait(self.interval):
+            self.samples.append((time.time(), self._threads()))
+
+    def _threads(self) -> dict[int, float]:
+        out: dict[int, float] = {}
+        for pid in (p for p in os.listdir("/proc") if p.isdigit()):
+            try:
+                with open(f"/proc/{pid}/cmdline", "rb") as f:
+                    if self.marker.encode() not in f.read():
+                        continue
+                for tid in os.listdir(f"/proc/{pid}/task"):
+                    with open(f"/proc/{pid}/task/{tid}/stat") as f:
+                        fields = f.read().rpartition(")")[2].split()
+                    out[int(tid)] = (int(fields[11]) + int(fields[12])) / self.TICK  # utime + stime
+            except OSError:  # the process or thread ended between the listing and the read
+                continue
+        return out
+
+    def per_step(self, stamped: list[tuple[int, float]]) -> tuple[float, float]:
+        """(the busiest thread's, all threads') CPU seconds per step between the first and the last sample inside
+        the steps' time span, the steps in between interpolated from their timestamps."""
+        stamped = sorted(stamped, key=lambda st: st[1])
+        times = [t for _, t in stamped]
+        inside = [s for s in self.samples if times[0] <= s[0] <= times[-1]]
+        (t0, a), (t1, b) = inside[0], inside[-1]
+
+        def step_at(t: float) -> float:
+            i = min(max(bisect.bisect_left(times, t), 1), len(times) - 1)
+            (s0, u0), (s1, u1) = stamped[i - 1], stamped[i]
+            return s0 + (s1 - s0) * (t - u0) / max(u1 - u0, 1e-9)
+
+        steps = step_at(t1) - step_at(t0)
+        used = {tid: b[tid] - a.get(tid, 0.0) for tid in b}
+        return max(used.values()) / steps, sum(used.values()) / steps
+
+
 def big_recipe(name: str, *, max_steps: int, every: int) -> dict[str, Any]:
     """A tiny_gpt with ~4.8 M parameters: 57 MB of fp32 weights and AdamW moments, short sequences so a CPU
     step stays well under a second."""
@@ -192,24 +258,46 @@ def throughput(root: Path, steps: int, repeats: int, rows: list[str]) -> None:
         for every in (10, 100):
             doc = recipe(f"bench-throughput-{every}", max_steps=steps)
             doc["checkpoint"]["every_steps"] = every
-            state, events, wall = through_service(doc, root / f"service-{every}-{i}")
+            with ThreadCpu("ray::RayTrainWorker") as service_cpu:
+                state, events, wall = through_service(doc, root / f"service-{every}-{i}")
             assert state == "succeeded", f"throughput run ended {state}"
-            service = steps_per_s([(e["data"]["step"], e["ts"]) for e in events if e["type"] == "metric"])
-            local = steps_per_s([(e["data"]["step"], e["ts"]) for e in plain_events(doc, root / f"plain-{every}-{i}")
-                                 if e["type"] == "metric"])
-            rates.setdefault((every, "service"), []).append(service)
-            rates.setdefault((every, "plain"), []).append(local)
-            rates.setdefault((every, "ratio"), []).append(service / local)
+            with ThreadCpu("--plain-child") as plain_cpu:
+                plain = plain_events(doc, root / f"plain-{every}-{i}")
+            stamps = {"service": [(e["data"]["step"], e["ts"]) for e in events if e["type"] == "metric"],
+                      "plain": [(e["data"]["step"], e["ts"]) for e in plain if e["type"] == "metric"]}
+            service, local = steps_per_s(stamps["service"]), steps_per_s(stamps["plain"])
+            (loop_s, proc_s), (loop_p, proc_p) = (service_cpu.per_step(stamps["service"]),
+                                                  plain_cpu.per_step(stamps["plain"]))
+            for key, value in (("service", service), ("plain", local), ("ratio", service / local),
+                               ("loop cpu", loop_s / loop_p), ("loop ms", loop_s * 1e3),
+                               ("plain loop ms", loop_p * 1e3), ("proc ms", proc_s * 1e3),
+                               ("plain proc ms", proc_p * 1e3),
+                               # the share of wall time the training thread ran, service over plain: the ratio
+                               # of steps/s with the CPU a step cost taken out (it moves with the neighbours)
+                               ("busy", service * loop_s / (local * loop_p))):
+                rates.setdefault((every, key), []).append(value)
             print(f"  throughput {i + 1}, checkpoint every {every}: plain {local:.1f}, service {service:.1f} "
-                  f"steps/s, ratio {service / local:.2f} (service run wall {wall:.1f} s)", file=sys.stderr)
+                  f"steps/s, ratio {service / local:.2f}, busy {rates[(every, 'busy')][-1]:.2f}; training thread "
+                  f"CPU/step {loop_p * 1e3:.2f} → {loop_s * 1e3:.2f} ms, whole worker {proc_p * 1e3:.2f} → "
+                  f"{proc_s * 1e3:.2f} ms (service run wall {wall:.1f} s)", file=sys.stderr)
     rows.append("| checkpoint every | plain process (`run_attempt` + list sink) | through the service "
-                "(Ray Train worker → channel actor → store) | service / plain (median of pairs) | each pair |")
-    rows.append("| --- | --- | --- | --- | --- |")
+                "(Ray Train worker → channel actor → store) | service / plain (median of pairs) | each pair | "
+                "training thread CPU per step: plain → service (medians) | service / plain, each pair | "
+                "whole process CPU per step: plain → service | training thread busy, service / plain: "
+                "median (each pair) |")
+    rows.append("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+
+    def med(every: int, key: str) -> float:
+        return statistics.median(rates[(every, key)])
+
     for every in (10, 100):
         pairs = ", ".join(f"{r:.2f}" for r in rates[(every, "ratio")])
-        rows.append(f"| {every} steps | {statistics.median(rates[(every, 'plain')]):.1f} steps/s | "
-                    f"{statistics.median(rates[(every, 'service')]):.1f} steps/s | "
-                    f"{statistics.median(rates[(every, 'ratio')]):.2f} | {pairs} |")
+        cpu_pairs = ", ".join(f"{r:.2f}" for r in rates[(every, "loop cpu")])
+        rows.append(f"| {every} steps | {med(every, 'plain'):.1f} steps/s | {med(every, 'service'):.1f} steps/s | "
+                    f"{med(every, 'ratio'):.2f} | {pairs} | {med(every, 'plain loop ms'):.2f} → "
+                    f"{med(every, 'loop ms'):.2f} ms | {cpu_pairs} | {med(every, 'plain proc ms'):.2f} → "
+                    f"{med(every, 'proc ms'):.2f} ms | {med(every, 'busy'):.2f} ("
+                    + ", ".join(f"{r:.2f}" for r in rates[(every, "busy")]) + ") |")
     rows.append(f"\n({steps} steps each, {repeats} interleaved pairs per interval; rates from the first to the last "
                 "step, start-up excluded.)\n")
 
