@@ -11,7 +11,7 @@
    interleaved in one run. Start-up is excluded from the rate: from the first to the last step's event. Beside
    each rate, the CPU per step of the training thread and of the whole worker process (``ThreadCpu``, from
    ``/proc``), and how much of the wall time the training thread ran, service over plain (steps/s × CPU per
-   step): the CPU a step costs moves with the neighbours' load, the share of time the loop gets to run does not.
+   step): the CPU a step costs moves with the neighbours' load, the share of time the loop gets to run much less.
 3. The loop's stall per checkpoint for a model with >= 50 MB of state (weights + AdamW moments), through the
    service and in a plain process, beside the time to copy that state to host memory, in the same run: the
    checkpoint event's ``timing`` (``stall_s``: the loop's time in ``Checkpointer.save``, ``copy_s``: its
@@ -169,6 +169,7 @@ class ThreadCpu:
         stamped = sorted(stamped, key=lambda st: st[1])
         times = [t for _, t in stamped]
         inside = [s for s in self.samples if times[0] <= s[0] <= times[-1]]
+        assert len(inside) >= 2, "the steps' span holds fewer than two samples: run more steps"
         (t0, a), (t1, b) = inside[0], inside[-1]
 
         def step_at(t: float) -> float:
