@@ -146,3 +146,49 @@ def ray_cluster() -> Iterator[Any]:
                  runtime_env={"env_vars": {"RAY_TRAIN_V2_ENABLED": "1"}})
     yield ray
     ray.shutdown()
+
+
+@pytest.fixture(autouse=True)
+def _ray_cpus_given_back(request: pytest.FixtureRequest) -> Iterator[None]:
+    """After a test on the session's Ray: every CPU is free again. A placement group left behind (a killed
+    creator's is kept for the life of the job) would starve every later test that needs the CPUs until its own
+    timeout, so the leak is removed here and fails the test that left it."""
+    yield
+    if "ray_cluster" not in request.fixturenames:
+        return
+    import ray
+
+    if not ray.is_initialized() or all_ray_cpus_free_soon():
+        return
+    removed = remove_every_placement_group()
+    freed = all_ray_cpus_free_soon(30.0)  # removal is asynchronous: the next test must find the CPUs free
+    pytest.fail(f"the test left {removed} placement group(s) holding the session Ray's CPUs (removed now; "
+                f"{'every CPU free again' if freed else 'still not every CPU free'})")
+
+
+def all_ray_cpus_free_soon(timeout_s: float = 60.0) -> bool:
+    """Every CPU of the session's Ray is free within ``timeout_s`` (freeing a killed group takes a moment)."""
+    import time
+
+    import ray
+
+    deadline = time.monotonic() + timeout_s
+    while True:
+        free, total = ray.available_resources(), ray.cluster_resources()  # type: ignore[no-untyped-call]
+        if free.get("CPU", 0.0) >= total.get("CPU", 0.0):
+            return True
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(0.5)
+
+
+def remove_every_placement_group() -> int:
+    """Remove every placement group not yet removed; how many there were."""
+    import ray
+    from ray.util import placement_group_table, remove_placement_group
+    from ray.util.placement_group import PlacementGroup
+
+    live = [pg_id for pg_id, entry in placement_group_table().items() if entry["state"] != "REMOVED"]
+    for pg_id in live:
+        remove_placement_group(PlacementGroup(ray.PlacementGroupID(bytes.fromhex(pg_id))))
+    return len(live)
