@@ -135,6 +135,9 @@ class ProbePlan:
 
     candidates: tuple[float, ...]
     steps: int
+    if_clean: Mapping[str, Any] = field(default_factory=dict)
+    """Recipe settings (dotted path → value) the attempt trains with instead of its own when the chosen candidate
+    trained its steps cleanly: the warmup this retry added, taken back (``orchestrator/policy/probe.py``)."""
 
     def __post_init__(self) -> None:
         if len(self.candidates) < 2 or any(not (math.isfinite(c) and c > 0) for c in self.candidates):
@@ -143,7 +146,10 @@ class ProbePlan:
             raise ValueError(f"ProbePlan.steps: must be >= 1, got {self.steps}")
 
     def to_dict(self) -> dict[str, Any]:
-        return {"candidates": list(self.candidates), "steps": self.steps}
+        out: dict[str, Any] = {"candidates": list(self.candidates), "steps": self.steps}
+        if self.if_clean:
+            out["if_clean"] = dict(self.if_clean)
+        return out
 
     @classmethod
     def from_plan(cls, plan: Mapping[str, Any] | None) -> ProbePlan | None:
@@ -152,7 +158,8 @@ class ProbePlan:
         probe = (plan or {}).get("lr_probe")
         if not probe or probe.get("chosen") is not None:
             return None
-        return cls(candidates=tuple(float(c) for c in probe["candidates"]), steps=int(probe["steps"]))
+        return cls(candidates=tuple(float(c) for c in probe["candidates"]), steps=int(probe["steps"]),
+                   if_clean=dict(probe.get("if_clean") or {}))
 
 
 @dataclass(kw_only=True)

@@ -11,11 +11,13 @@ probed is the policy's (``orchestrator/policy/probe.py``); how one is chosen is 
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
+from contracts.overrides import apply_overrides, get_path
+from contracts.recipe import recipe_to_dict
 from contracts.wire import AttemptSpec, ProbePlan
 from workers.context import WorkerContext
 from workers.sinks import EventSink, StopOnlySink
@@ -66,9 +68,10 @@ def describe(runs: Sequence[CandidateRun], pick: int, why: str, start_step: int)
     return f"lr probe from step {start_step}: {'; '.join(parts)}; chose {_fmt(runs[pick].lr)} ({why})"
 
 
-def with_lr(spec: AttemptSpec, lr: float) -> AttemptSpec:
-    """``spec`` training at ``lr``, without a probe of its own."""
-    recipe = spec.recipe.model_copy(update={"optimizer": spec.recipe.optimizer.model_copy(update={"lr": lr})})
+def with_lr(spec: AttemptSpec, lr: float, settings: Mapping[str, Any] | None = None) -> AttemptSpec:
+    """``spec`` training at ``lr`` (and ``settings``: dotted recipe path → value), without a probe of its own."""
+    recipe = apply_overrides(spec.recipe, settings) if settings else spec.recipe
+    recipe = recipe.model_copy(update={"optimizer": recipe.optimizer.model_copy(update={"lr": lr})})
     return replace(spec, recipe=recipe, lr_probe=None)
 
 
@@ -90,6 +93,11 @@ def run_probe(spec: AttemptSpec, plan: ProbePlan, ctx: WorkerContext, resume_dir
             break
     pick, why = choose(runs)
     chosen = runs[pick].lr
+    clean = runs[pick].failed is None
+    reason = describe(runs, pick, why, start_step)
+    dropped = _ramps(spec, plan) if clean else ""
+    if dropped:
+        reason += f"; {dropped} (it trained cleanly from here at a constant LR)"
     event = {
         "start_step": start_step,
         "steps": plan.steps,
@@ -97,6 +105,23 @@ def run_probe(spec: AttemptSpec, plan: ProbePlan, ctx: WorkerContext, resume_dir
         "candidates": [{"lr": r.lr, "score": r.score if math.isfinite(r.score) else None, "failed": r.failed,
                         "steps": len(r.losses)} for r in runs],
         "chosen": chosen,
-        "reason": describe(runs, pick, why, start_step),
+        "reason": reason,
     }
-    return with_lr(spec, chosen), event
+    if not clean:
+        return with_lr(spec, chosen), event
+    if plan.if_clean:
+        event["if_clean"] = dict(plan.if_clean)
+    if spec.rewarm_steps:
+        event["rewarm_steps"] = 0
+    return replace(with_lr(spec, chosen, plan.if_clean), rewarm_steps=0), event
+
+
+def _ramps(spec: AttemptSpec, plan: ProbePlan) -> str:
+    """The ramps a clean pick makes unnecessary, in words (empty: none): the re-warm, and the warmup the retry
+    added (``plan.if_clean``). The chosen candidate trained its steps from the attempt's very start point (its
+    weights, optimizer state and batches) at the warmed-up LR held constant, with no anomaly: easing that LR in
+    buys no stability, and it costs a short run final loss (BENCHMARKS.md, 2026-12-05)."""
+    doc = recipe_to_dict(spec.recipe)
+    parts = [f"re-warm {spec.rewarm_steps}→0 steps"] if spec.rewarm_steps else []
+    parts += [f"{path} {get_path(doc, path)}→{value}" for path, value in plan.if_clean.items()]
+    return ", ".join(parts)

@@ -249,11 +249,15 @@ class LocalRun:
         """What the attempt's LR probe chose becomes its settings, as the service's ingest records it."""
         planned = None if attempt.spec.lr_probe is None else attempt.spec.lr_probe.to_dict()
         probe = attempt.lr_probe if attempt.lr_probe is not None else planned
-        plan = {} if probe is None else {"lr_probe": probe}
-        applied = apply_probe_result(attempt.overrides, plan, attempt.reason, probed)
+        plan_before: dict[str, Any] = {"rewarm_steps": attempt.spec.rewarm_steps}
+        if probe is not None:
+            plan_before["lr_probe"] = probe
+        applied = apply_probe_result(attempt.overrides, plan_before, attempt.reason, probed)
         if applied is not None:
             attempt.overrides, plan, attempt.reason = applied
             attempt.lr_probe = plan["lr_probe"]
+            if plan["rewarm_steps"] == 0:  # a clean pick: the attempt trained without its re-warm
+                attempt.spec = replace(attempt.spec, rewarm_steps=0)
 
     def _add_checkpoints(self, number: int, sink: ListSink) -> None:
         for event in sink.of_type("checkpoint"):

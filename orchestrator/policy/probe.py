@@ -4,26 +4,33 @@ becomes the attempt's settings.
 Why a probe: after an early blow-up the policy cuts the LR by a fixed factor, and the first cut LR that no longer
 blows up is kept although a lower one often trains far better; nothing a run sees at one LR says so. The probe
 compares: the retry first trains a few dozen steps from its rollback point at each candidate (the worker runs it,
-``workers/lr_probe.py``) and keeps the best. What it costs (candidates × steps, a fifth of the run by default, and
-never more than 100 steps a candidate) is why ``auto`` turns it on only for runs long enough to afford it
-(``LrProbe.active``: 150 steps and more with the defaults).
+``workers/lr_probe.py``) and keeps the best; a clean best also shows that the retry's LR ramps (the re-warm, an
+added warmup) are not needed, and the attempt trains without them. What it costs (candidates × steps, a fifth of
+the run by default, and never more than 100 steps a candidate) is why ``auto`` turns it on only for runs long
+enough to afford it (``LrProbe.active``: 150 steps and more with the defaults).
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from contracts.recipe import Recipe
 from contracts.wire import ProbePlan
-from orchestrator.policy.tightening import LR
+from orchestrator.policy.tightening import LR, WARMUP, WARMUP_FRACTION, Change
 
 
-def probe_plan(eff: Recipe, new_lr: float | None) -> ProbePlan | None:
-    """The probe of a retry that moves the LR to ``new_lr`` (None: it does not move it): ``new_lr``, then each
-    ``spacing`` times the previous, floored at ``min_lr`` (a candidate at the floor is the last). None when the probe
-    is off for this run's length or there are fewer than two distinct candidates."""
+def probe_plan(eff: Recipe, changes: Sequence[Change]) -> ProbePlan | None:
+    """The probe of a retry that makes ``changes`` to ``eff``: none unless one moves the LR. Its candidates: the
+    new LR, then each ``spacing`` times the previous, floored at ``min_lr`` (a candidate at the floor is the last).
+    None when the probe is off for this run's length or there are fewer than two distinct candidates.
+
+    When the retry also adds a warmup to a schedule that had none (``warmup_change``: an early divergence), the plan
+    takes it back should the chosen candidate train cleanly (``if_clean``): that candidate trained its steps at a
+    constant LR from the very start point, so the warmup buys no stability, and it costs a short run's final loss
+    (the development half's RNN: 1.066x its reference with it, 1.033x without; BENCHMARKS.md, 2026-12-05)."""
     cfg, floor = eff.recovery.lr_probe, eff.recovery.min_lr
+    new_lr = next((c.new for c in changes if c.path == LR), None)
     if new_lr is None or not cfg.active(eff.training.max_steps):
         return None
     candidates = [new_lr]
@@ -31,7 +38,12 @@ def probe_plan(eff: Recipe, new_lr: float | None) -> ProbePlan | None:
         candidates.append(max(candidates[-1] * cfg.spacing, floor))
     if len(candidates) < 2:
         return None
-    return ProbePlan(candidates=tuple(candidates), steps=cfg.steps_for(eff.training.max_steps))
+    if_clean: dict[str, Any] = {}
+    if eff.schedule.resolved_warmup_steps(eff.training.max_steps) == 0 and any(c.path == WARMUP for c in changes):
+        if_clean = {WARMUP: eff.schedule.warmup_steps}
+        if any(c.path == WARMUP_FRACTION for c in changes):
+            if_clean[WARMUP_FRACTION] = eff.schedule.warmup_fraction
+    return ProbePlan(candidates=tuple(candidates), steps=cfg.steps_for(eff.training.max_steps), if_clean=if_clean)
 
 
 def apply_probe_result(
@@ -39,8 +51,11 @@ def apply_probe_result(
 ) -> tuple[dict[str, Any], dict[str, Any], str] | None:
     """An attempt's ``(overrides, plan, reason)`` once its worker reports the probe (an ``lr_probe`` event): the LR
     override becomes the chosen LR (the next retry tightens from it, and a crash restart resumes at it), the plan
-    keeps the probe's result (``chosen``, ``steps_run``, ``candidates_run``) and the reason says what was chosen. None
-    when there is nothing to change: the result is already recorded (a redelivered event), or it names no LR."""
+    keeps the probe's result (``chosen``, ``steps_run``, ``candidates_run``) and the reason says what was chosen.
+    When the chosen candidate trained cleanly the worker also dropped the re-warm (the plan's ``rewarm_steps`` becomes
+    0) and the warmup the retry added (``if_clean``: its override goes back), so a crash restart and the next retry
+    start from what the attempt really trained with. None when there is nothing to change: the result is already
+    recorded (a redelivered event), or it names no LR."""
     probe = dict(plan.get("lr_probe") or {})
     chosen = result.get("chosen")
     if probe.get("chosen") is not None or not isinstance(chosen, int | float) or isinstance(chosen, bool):
@@ -53,5 +68,17 @@ def apply_probe_result(
     new_overrides = {path: list(change) for path, change in overrides.items()}
     if LR in new_overrides:  # the plan moved the LR (the only case it probes): [original, chosen]
         new_overrides[LR] = [new_overrides[LR][0], float(chosen)]
+    new_plan = {**plan, "lr_probe": probe}
+    if result.get("rewarm_steps") == 0:  # a clean pick: the worker trains without the re-warm
+        new_plan["rewarm_steps"] = 0
+    taken_back = result.get("if_clean")
+    if isinstance(taken_back, Mapping):  # ... and without the warmup the retry added: so does the next attempt
+        for path, value in taken_back.items():
+            if path in new_overrides:
+                original = new_overrides[path][0]
+                if value == original:
+                    del new_overrides[path]
+                else:
+                    new_overrides[path] = [original, value]
     text = str(result.get("reason") or f"lr probe chose {chosen}")
-    return new_overrides, {**plan, "lr_probe": probe}, f"{reason}; {text}" if reason else text
+    return new_overrides, new_plan, f"{reason}; {text}" if reason else text

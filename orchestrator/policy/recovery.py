@@ -61,7 +61,9 @@ with the same settings, the baseline other systems apply):
 - LR probe (``recovery.lr_probe``, ``orchestrator/policy/probe.py``): when the retry lowers the LR and the probe is
   active for the run's length, the plan also names candidate LRs (the cut LR, then lower ones); the new attempt
   tries each for a few steps from its start point and trains at the best (``workers/lr_probe.py``), which then
-  replaces the cut LR in its overrides (``orchestrator/store/ingest.py``).
+  replaces the cut LR in its overrides (``orchestrator/store/ingest.py``). When the chosen LR trained its probe
+  steps cleanly, the attempt trains without the re-warm and without a warmup this retry added for an early
+  divergence (``ProbePlan.if_clean``).
 - ``rewarm_steps`` from the recipe, except after a dtype switch alone (the LR did not change).
   ``skip_data_window``: ``data_offset += onset - resume_step + 1``, i.e. the batches of steps
   ``resume_step..onset`` *inclusive* are skipped (the onset batch is the likeliest culprit); otherwise the
@@ -341,13 +343,17 @@ def _crash_restart(
     # when that had not chosen (else a crash mid-probe would train at the cut LR untried)
     redo = [f"re-warm {last.rewarm_steps} steps"] if last.rewarm_steps else []
     if last.pending_probe is not None:
-        redo.append(_probe_text(last.pending_probe))
+        redo.append(_probe_text(last.pending_probe, last.rewarm_steps))
     return replace(plan, rewarm_steps=last.rewarm_steps, lr_probe=last.pending_probe,
                    reason=f"{plan.reason}; it crashed before its first checkpoint, so again {' and '.join(redo)}")
 
 
-def _probe_text(probe: ProbePlan) -> str:
-    return f"lr probe of {', '.join(num(c) for c in probe.candidates)} for {probe.steps} steps each"
+def _probe_text(probe: ProbePlan, rewarm: int) -> str:
+    text = f"lr probe of {', '.join(num(c) for c in probe.candidates)} for {probe.steps} steps each"
+    ramps = (["the re-warm"] if rewarm else []) + (["the added warmup"] if probe.if_clean else [])
+    if not ramps:
+        return text
+    return f"{text} ({' and '.join(ramps)} {'go' if len(ramps) > 1 else 'goes'} if the chosen LR trains cleanly)"
 
 
 def _resume_newest(
@@ -412,9 +418,9 @@ def _numeric_retry(
     rewarm = 0 if all(c.path == DTYPE for c in changes) else rec.rewarm_steps
     if rewarm:
         texts.append(f"re-warm {rewarm} steps")
-    probe = probe_plan(eff, next((c.new for c in changes if c.path == LR), None))
+    probe = probe_plan(eff, changes)
     if probe is not None:
-        texts.append(_probe_text(probe))
+        texts.append(_probe_text(probe, rewarm))
     data_offset = last.data_offset
     if rec.skip_data_window:
         data_offset += max(0, onset - resume_step + 1)

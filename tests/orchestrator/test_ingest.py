@@ -256,6 +256,25 @@ def test_an_lr_probe_sets_the_attempts_lr_once(session_factory: sessionmaker[Ses
             assert attempt.reason == "attempt 1 diverged; lr 0.002→0.001; " + PROBED["reason"]
 
 
+def test_a_clean_probe_pick_takes_back_the_retrys_ramps(session_factory: sessionmaker[Session]) -> None:
+    """The worker dropped the re-warm and the warmup the retry added (its pick trained cleanly): the stored attempt
+    says so, so a crash restart relaunches what it really trained and the next retry tightens from there."""
+    run_id, attempt_id = _make_run(session_factory)
+    with transaction(session_factory) as s:
+        attempt = s.get(Attempt, attempt_id)
+        assert attempt is not None
+        attempt.overrides = {"optimizer.lr": [2e-3, 1e-3], "schedule.warmup_steps": [None, 15]}
+        attempt.plan = {"rewarm_steps": 20, "lr_probe": {"candidates": [1e-3, 2.5e-4], "steps": 10,
+                                                         "if_clean": {"schedule.warmup_steps": None}}}
+    clean = {**PROBED, "rewarm_steps": 0, "if_clean": {"schedule.warmup_steps": None}}
+    _ingest(session_factory, run_id, attempt_id, _events([("lr_probe", clean), _metric(50, 1.3)]))
+    with transaction(session_factory) as s:
+        attempt = s.get(Attempt, attempt_id)
+        assert attempt is not None
+        assert attempt.overrides == {"optimizer.lr": [2e-3, 2.5e-4]}
+        assert attempt.plan["rewarm_steps"] == 0 and attempt.plan["lr_probe"]["chosen"] == 2.5e-4
+
+
 # ------------------------------------------------------------------------- the batched path vs the one before
 _LOSSES = st.one_of(st.floats(min_value=0.01, max_value=100.0), st.sampled_from([math.nan, math.inf, None]))
 

@@ -12,6 +12,7 @@ from contracts.recipe import ProbeMode, RecipeError, load_recipe
 from contracts.wire import AttemptSpec, ProbePlan
 from orchestrator.policy.probe import apply_probe_result, probe_plan
 from orchestrator.policy.recovery import AttemptRecord, RecoveryPlan, decide
+from orchestrator.policy.tightening import LR, MAX_NORM, WARMUP, WARMUP_FRACTION, Change
 from tests.recipes import build_recipe
 
 recipe = partial(build_recipe, {"name": "t"})
@@ -22,6 +23,10 @@ def probe_recipe(max_steps: int = 2000, **probe: Any) -> Any:
 
 
 CUTS = (5e-3, 1.25e-3, 3.125e-4)
+
+
+def cut(lr: float) -> list[Change]:
+    return [Change(LR, lr)]
 
 
 @pytest.mark.parametrize(
@@ -45,7 +50,7 @@ CUTS = (5e-3, 1.25e-3, 3.125e-4)
 )
 def test_which_lrs_a_retry_probes(max_steps: int, probe: dict[str, Any], expected: tuple[float, ...] | None,
                                   steps: int | None) -> None:
-    got = probe_plan(probe_recipe(max_steps, **probe), 5e-3)
+    got = probe_plan(probe_recipe(max_steps, **probe), cut(5e-3))
     if expected is None:
         assert got is None
     else:
@@ -55,13 +60,47 @@ def test_which_lrs_a_retry_probes(max_steps: int, probe: dict[str, Any], expecte
 def test_candidates_stop_at_the_lr_floor() -> None:
     r = build_recipe({"name": "t", "training": {"max_steps": 2000},
                       "recovery": {"min_lr": 1e-4, "lr_probe": {"mode": "on", "candidates": 4}}})
-    got = probe_plan(r, 1e-3)
+    got = probe_plan(r, cut(1e-3))
     assert got is not None and got.candidates == pytest.approx((1e-3, 2.5e-4, 1e-4))  # the floor is the last
-    assert probe_plan(r, 1e-4) is None  # the cut LR is at the floor: nothing lower to compare with
+    assert probe_plan(r, cut(1e-4)) is None  # the cut LR is at the floor: nothing lower to compare with
 
 
 def test_no_probe_when_the_retry_leaves_the_lr_alone() -> None:
-    assert probe_plan(probe_recipe(mode="on"), None) is None
+    assert probe_plan(probe_recipe(mode="on"), []) is None
+    assert probe_plan(probe_recipe(mode="on"), [Change(MAX_NORM, 0.5)]) is None
+
+
+@pytest.mark.parametrize(
+    ("schedule", "changes", "if_clean"),
+    [
+        # an added warmup (the schedule had none) goes back to none on a clean pick
+        ({}, [Change(WARMUP, 15)], {WARMUP: None}),
+        ({"warmup_steps": 0}, [Change(WARMUP, 15)], {WARMUP: 0}),
+        ({"warmup_fraction": 0.0}, [Change(WARMUP, 15), Change(WARMUP_FRACTION, None)],
+         {WARMUP: None, WARMUP_FRACTION: 0.0}),
+        # a lengthened warmup stays: the divergence came during or right after the recipe's own warmup
+        ({"warmup_steps": 30}, [Change(WARMUP, 60)], {}),
+        ({}, [], {}),
+    ],
+)
+def test_a_probe_takes_back_only_a_warmup_the_retry_added(schedule: dict[str, Any], changes: list[Change],
+                                                          if_clean: dict[str, Any]) -> None:
+    r = recipe(training={"max_steps": 2000}, schedule=schedule, recovery={"lr_probe": {"mode": "on"}})
+    got = probe_plan(r, [Change(LR, 1e-4), *changes])
+    assert got is not None and got.if_clean == if_clean
+    assert ProbePlan.from_plan({"lr_probe": got.to_dict()}) == got  # it travels with the plan
+
+
+def test_an_early_divergence_retry_plans_to_drop_its_ramps_on_a_clean_pick() -> None:
+    r = recipe(training={"max_steps": 2000}, optimizer={"lr": 1e-2}, schedule={"warmup_steps": 0},
+               recovery={"lr_probe": {"mode": "on"}})
+    history = [AttemptRecord(number=1, kind="initial", outcome="diverged", start_step=0, onset_step=3,
+                             final_step=4, detector="divergence")]
+    p = decide(r, history, [])
+    assert isinstance(p, RecoveryPlan) and p.overrides[WARMUP] == (0, 200)
+    assert p.lr_probe is not None and p.lr_probe.if_clean == {WARMUP: 0}
+    assert p.plan_json()["lr_probe"]["if_clean"] == {WARMUP: 0}
+    assert "(the re-warm and the added warmup go if the chosen LR trains cleanly)" in p.reason
 
 
 def test_a_retry_that_cuts_the_lr_probes_from_the_cut_lr_and_says_so() -> None:
@@ -73,7 +112,7 @@ def test_a_retry_that_cuts_the_lr_probes_from_the_cut_lr_and_says_so() -> None:
     assert p.overrides["optimizer.lr"] == (1e-2, 5e-3)
     assert p.lr_probe is not None and p.lr_probe.candidates == pytest.approx((5e-3, 1.25e-3, 3.125e-4))
     assert p.plan_json()["lr_probe"] == {"candidates": list(p.lr_probe.candidates), "steps": 100}
-    assert "lr probe of 0.005, 0.00125, 0.0003125 for 100 steps each" in p.reason
+    assert "lr probe of 0.005, 0.00125, 0.0003125 for 100 steps each (the re-warm goes" in p.reason
 
 
 def test_a_clip_only_retry_does_not_probe() -> None:
@@ -116,6 +155,24 @@ def test_the_probe_result_becomes_the_attempts_lr_plan_and_reason() -> None:
     assert overrides == {"optimizer.lr": [1e-2, 5e-3], "clipping.max_norm": [1.0, 0.5]}  # the inputs untouched
     # recorded once: a redelivered event (or the end event carrying it again) changes nothing
     assert apply_probe_result(new_overrides, new_plan, reason, RESULT) is None
+
+
+def test_a_clean_pick_takes_back_the_retrys_ramps() -> None:
+    """The worker reports that the chosen LR trained cleanly and it dropped the re-warm and the added warmup: the
+    attempt's plan and overrides say what it really trained with, for a crash restart and the next retry."""
+    overrides = {"optimizer.lr": [1e-2, 5e-3], WARMUP: [None, 15], "clipping.max_norm": [1.0, 0.5]}
+    clean = {**RESULT, "rewarm_steps": 0, "if_clean": {WARMUP: None}}
+    applied = apply_probe_result(overrides, PLAN, "r", clean)
+    assert applied is not None
+    new_overrides, new_plan, _ = applied
+    assert new_overrides == {"optimizer.lr": [1e-2, 1.25e-3], "clipping.max_norm": [1.0, 0.5]}
+    assert new_plan["rewarm_steps"] == 0 and PLAN["rewarm_steps"] == 20
+    # a value other than the original stays an override
+    applied = apply_probe_result({WARMUP: [5, 15]}, PLAN, "r", {**clean, "if_clean": {WARMUP: 0}})
+    assert applied is not None and applied[0] == {WARMUP: [5, 0]}
+    # without the worker's word (every candidate failed), the ramps stay
+    applied = apply_probe_result(overrides, PLAN, "r", RESULT)
+    assert applied is not None and applied[0][WARMUP] == [None, 15] and applied[1]["rewarm_steps"] == 20
 
 
 @pytest.mark.parametrize("chosen", [None, "0.1", True])
@@ -171,3 +228,15 @@ def test_ballast_train_tells_the_policy_a_probe_it_did_not_finish() -> None:
     assert (attempt.record().rewarm_steps, attempt.record().pending_probe) == (20, probe)
     LocalRun._record_probe(attempt, {"chosen": 2.5e-4, "steps_run": 20, "candidates": []})
     assert attempt.record().pending_probe is None and attempt.overrides["optimizer.lr"] == [4e-3, 2.5e-4]
+    assert attempt.record().rewarm_steps == 20  # no clean pick reported: the re-warm stays
+
+
+def test_ballast_train_records_a_clean_pick_without_its_re_warm() -> None:
+    from api.cli.local_run import Ended, LocalAttempt, LocalRun
+
+    spec = AttemptSpec(recipe=recipe(), checkpoint_dir="/tmp/x", lr_probe=ProbePlan((1e-3, 2.5e-4), 10),
+                       rewarm_steps=20)
+    attempt = LocalAttempt(number=2, kind="numeric_retry", spec=spec, overrides={"optimizer.lr": [4e-3, 1e-3]},
+                           ended=Ended("crashed", None, {}, error="boom"))
+    LocalRun._record_probe(attempt, {"chosen": 2.5e-4, "steps_run": 20, "candidates": [], "rewarm_steps": 0})
+    assert attempt.record().rewarm_steps == 0 and attempt.to_dict([])["rewarm_steps"] == 0

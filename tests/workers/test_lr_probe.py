@@ -16,6 +16,7 @@ from contracts.wire import AttemptSpec, ProbePlan
 from tests.recipes import EXPLODING_RNN, build_recipe
 from workers.entry import run_attempt
 from workers.lr_probe import CandidateRun, choose, with_lr
+from workers.schedule import lr_at
 from workers.sinks import ListSink
 
 
@@ -89,8 +90,46 @@ def test_a_probe_from_a_checkpoint_starts_every_candidate_and_the_attempt_there(
     probed = run_attempt(replace(resumed, lr_probe=ProbePlan(candidates=(0.04, 0.01), steps=6)), sink)
     [event] = sink.of_type("lr_probe")
     assert event["start_step"] == 20 and [c["steps"] for c in event["candidates"]] == [6, 6]
-    plain = run_attempt(replace(with_lr(resumed, event["chosen"]), checkpoint_dir=str(tmp_path / "plain")))
-    assert probed.start_step == 20 and probed.losses == plain.losses and len(plain.losses) == 20
+    # the chosen candidate trained cleanly at the warmed-up LR from this very point: the re-warm is dropped
+    assert all(c["failed"] is None for c in event["candidates"]) and event["rewarm_steps"] == 0
+    assert "re-warm 5→0 steps" in event["reason"] and "if_clean" not in event
+    unramped = lr_at(20, base_lr=event["chosen"], max_steps=40, schedule=resumed.recipe.schedule)
+    assert sink.of_type("metric")[0]["lr"] == pytest.approx(unramped)  # the schedule's LR, not a 1/5 of it
+    plain = replace(with_lr(resumed, event["chosen"]), checkpoint_dir=str(tmp_path / "plain"), rewarm_steps=0)
+    assert probed.start_step == 20 and probed.losses == run_attempt(plain).losses and len(probed.losses) == 20
+
+
+WARMUP = "schedule.warmup_steps"
+
+
+def test_a_clean_pick_drops_the_warmup_the_retry_added(tmp_path: Path) -> None:
+    """The retry of an early blow-up added a warmup and a re-warm; the probe's pick trained cleanly from
+    initialisation at a constant LR, so the attempt trains as one at that LR with neither ramp."""
+    spec = AttemptSpec(recipe=build_recipe(EXPLODING_RNN, schedule={"warmup_steps": 10}),
+                       checkpoint_dir=str(tmp_path / "probed"), attempt=2, rewarm_steps=8,
+                       lr_probe=replace(PROBE, if_clean={WARMUP: 0}))
+    sink = ListSink()
+    probed = run_attempt(spec, sink)
+    [event] = sink.of_type("lr_probe")
+    assert event["if_clean"] == {WARMUP: 0} and event["rewarm_steps"] == 0
+    assert f"re-warm 8→0 steps, {WARMUP} 10→0" in event["reason"]
+    assert sink.of_type("metric")[0]["lr"] == pytest.approx(event["chosen"])  # the peak at step 0
+    plain = run_attempt(with_lr(_spec(tmp_path, "plain", attempt=2), event["chosen"]))
+    assert probed.losses == plain.losses and len(plain.losses) == 40
+
+
+def test_when_every_candidate_fails_the_ramps_stay(tmp_path: Path) -> None:
+    """No clean pick, no evidence that the ramps are not needed: the lowest LR trains behind both."""
+    spec = AttemptSpec(recipe=build_recipe(EXPLODING_RNN, schedule={"warmup_steps": 10}),
+                       checkpoint_dir=str(tmp_path / "probed"), attempt=2, rewarm_steps=8,
+                       lr_probe=ProbePlan(candidates=(4.0, 2.0), steps=8, if_clean={WARMUP: 0}))
+    sink = ListSink()
+    run_attempt(spec, sink)
+    [event] = sink.of_type("lr_probe")
+    assert all(c["failed"] for c in event["candidates"]) and event["chosen"] == 2.0
+    assert "if_clean" not in event and "rewarm_steps" not in event and "→0" not in event["reason"]
+    first = sink.of_type("metric")[0]
+    assert first["lr"] == pytest.approx(2.0 / 10 / 8)  # the warmup's first step, re-warmed: both ramps kept
 
 
 def test_a_stop_request_ends_the_probe_and_the_attempt(tmp_path: Path) -> None:
