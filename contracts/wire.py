@@ -17,7 +17,9 @@ Event types and their ``data``:
   every ``training.eval_interval`` steps, at the attempt's start and at its end.
 - ``lr_probe``: the LR probe an attempt ran before training (``recovery.lr_probe``, ``workers/lr_probe.py``):
   start_step, steps (per candidate), steps_run (all candidates), candidates [{lr, score, failed, steps}], chosen
-  (the LR the attempt trains at), reason. Once per attempt that probes, before its first ``metric``.
+  (the LR the attempt trains at), reason; when the chosen candidate trained cleanly and the attempt dropped a ramp,
+  rewarm_steps (0) and/or if_clean (the settings it took back). Once per attempt that probes, before its first
+  ``metric``.
 - ``end``: :class:`EndEvent`
 
 Torch-free and Ray-free: the orchestrator builds ``AttemptSpec``s and reads ``EndEvent``s without importing the

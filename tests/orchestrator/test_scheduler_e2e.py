@@ -291,8 +291,10 @@ def test_a_retry_probes_its_lr_and_trains_at_the_one_it_chose(
     assert second.reason is not None and f"chose {probe['chosen']:.4g}" in second.reason
     with transaction(factory) as s:
         lrs = list(s.scalars(sa.select(MetricPoint.lr).where(MetricPoint.attempt_id == second.id)))
-    # the early blow-up also added a warmup: the LR ramps up to the chosen one and stays there (constant decay)
-    assert len(lrs) == 40 and max(lrs) == pytest.approx(probe["chosen"]) and lrs[-1] == pytest.approx(probe["chosen"])
+    # the early blow-up also added a warmup, but the chosen LR trained cleanly from step 0 at a constant LR: the
+    # attempt drops it (its override is gone) and trains at the chosen LR from its first step (constant decay)
+    assert probe["if_clean"] == {"schedule.warmup_steps": 0} and "schedule.warmup_steps" not in second.overrides
+    assert len(lrs) == 40 and lrs == pytest.approx([probe["chosen"]] * 40)
     assert steps_of(factory, second.id) == list(range(40))  # restarted from initialisation; no probe step in it
 
 
