@@ -28,7 +28,8 @@ def probe_plan(eff: Recipe, changes: Sequence[Change]) -> ProbePlan | None:
     When the retry also adds a warmup to a schedule that had none (``warmup_change``: an early divergence), the plan
     takes it back should the chosen candidate train cleanly (``if_clean``): that candidate trained its steps at a
     constant LR from the very start point, so the warmup buys no stability, and it costs a short run's final loss
-    (the development half's RNN: 1.066x its reference with it, 1.033x without; BENCHMARKS.md, 2026-12-05)."""
+    (with the re-warm dropped too, the development half's RNN retry ends at 1.04x its reference instead of 1.09x;
+    BENCHMARKS.md, 2026-12-05)."""
     cfg, floor = eff.recovery.lr_probe, eff.recovery.min_lr
     new_lr = next((c.new for c in changes if c.path == LR), None)
     if new_lr is None or not cfg.active(eff.training.max_steps):
