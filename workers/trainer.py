@@ -78,6 +78,7 @@ from workers.verdict import (
     judge_end,
     judge_progress,
     judge_stall,
+    progress_mark,
     stall_steps,
 )
 
@@ -183,6 +184,9 @@ class GuardedTrainer:
         self._early_check = early_check_step(r.success, max_steps=r.training.max_steps, warmup_steps=warmup)
         self._stall_steps = stall_steps(r.success, max_steps=r.training.max_steps,
                                         ema_alpha=r.detectors.loss_spike.ema_alpha)
+        self._progress_mark: tuple[int, float] | None = None
+        """The stall clock (``verdict.progress_mark``). Not checkpointed: a resumed attempt starts it at the restored
+        best, later than or at the lineage's mark, so a resume never makes the rule fire sooner."""
 
     # ------------------------------------------------------------------------------------------ train
     def train(self) -> AttemptOutcome:
@@ -477,6 +481,7 @@ class GuardedTrainer:
             loss_floor=self.data.loss_floor, noise_std=summary.noise_std,
             vanishing=any(f["kind"] == "vanishing_gradients" for f in self.result.findings),
             start_step=self.start_step,
+            progress_step=None if self._progress_mark is None else self._progress_mark[0],
             eval=None if self.evals is None else self.evals.evidence(),
         )
 
@@ -490,8 +495,11 @@ class GuardedTrainer:
         """The stall rule after ``step`` completed steps; cheap until the best is ``_stall_steps`` old."""
         if self._stall_steps is None or self.data.loss_floor is None:
             return Verdict(None, "off")
-        best_step = self.detectors.loss_summary().best_step
-        if best_step is None or step - max(best_step, self.start_step) < self._stall_steps:
+        summary = self.detectors.loss_summary()
+        self._progress_mark = progress_mark(self._progress_mark, best_step=summary.best_step,
+                                            best_loss=summary.best, initial=summary.initial,
+                                            floor=self.data.loss_floor, min_gain=self.recipe.success.stall_min_gain)
+        if self._progress_mark is None or step - max(self._progress_mark[0], self.start_step) < self._stall_steps:
             return Verdict(None, "improving")
         return judge_stall(self.recipe.success, self._evidence(), step=step, patience=self._stall_steps)
 

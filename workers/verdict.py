@@ -11,9 +11,11 @@ time (the recipe's ``success`` section holds the tolerances):
   too, a run whose gradients vanished gets the vanishing diagnosis, not a retry that cannot help.
 - **stalled** (checked at every step, only where the data's loss floor is known): the best smoothed loss has not
   improved for ``stall_steps`` while it is still short of ``stall_max_progress`` of the way from the clean
-  initial loss to the floor. A healthy run levels off near its floor, not a quarter or half of the way there: a
-  run that stops improving far above it (a too-high LR that the model can no longer descend at, typically
-  reached at the end of the warmup) is under-trained however long it goes on, and waiting for the end only
+  initial loss to the floor. Improved means by at least ``stall_min_gain`` of that way (``progress_mark``): on a
+  flat plateau the batch noise lets the smoothed loss touch a marginally lower best now and then, and a clock that
+  any new best restarts may never run out. A healthy run levels off near its floor, not a quarter or half of the
+  way there: a run that stops improving far above it (a too-high LR that the model can no longer descend at,
+  typically reached at the end of the warmup) is under-trained however long it goes on, and waiting for the end only
   spends steps. Like a run that never learned, the onset is the attempt's start: every step so far ran at the
   LR that stalled it, and its checkpoints, best one included, hold weights that a lower LR does not bring back
   (measured on development runs: from the best checkpoint the retries ended at 1.2-1.9x the loss a safe LR
@@ -100,6 +102,9 @@ class Evidence:
     vanishing: bool = False
     """The vanishing detector fired in this attempt."""
     start_step: int = 0
+    progress_step: int | None = None
+    """Where the stall clock starts: the step of the last best smoothed loss that improved by ``stall_min_gain``
+    (``progress_mark``); None: ``best_step``."""
     eval: EvalEvidence | None = None
     """The eval series, when the attempt measured one (None: the verdict reads the training loss only)."""
 
@@ -138,6 +143,20 @@ def stall_steps(cfg: Success, *, max_steps: int, ema_alpha: float) -> int | None
     return max(int(cfg.stall_fraction * max_steps), math.ceil(2.0 / ema_alpha))
 
 
+def progress_mark(mark: tuple[int, float] | None, *, best_step: int | None, best_loss: float | None,
+                  initial: float | None, floor: float | None, min_gain: float) -> tuple[int, float] | None:
+    """The stall clock's start, as ``(step, best smoothed loss)``: moved to the current best only when that is
+    below the mark by at least ``min_gain`` of the way from ``initial`` down to ``floor`` (any new best when
+    ``min_gain`` is 0 or that way is unknown). The first best sets it. Call it after every step."""
+    if best_step is None or best_loss is None:
+        return mark
+    if mark is None:
+        return best_step, best_loss
+    known = initial is not None and floor is not None and math.isfinite(initial) and initial > floor
+    need = min_gain * (initial - floor) if known and initial is not None and floor is not None else 0.0
+    return (best_step, best_loss) if best_loss < mark[1] - need else mark
+
+
 def judge_stall(cfg: Success, ev: Evidence, *, step: int, patience: int, at_end: bool = False) -> Verdict:
     """The stall rule (module docstring) at ``step`` (completed steps), with ``patience`` from ``stall_steps``,
     counted from the best step or, while an attempt that resumed after it runs, from the resume (a retry gets a
@@ -146,18 +165,22 @@ def judge_stall(cfg: Success, ev: Evidence, *, step: int, patience: int, at_end:
     success. The onset is the attempt's start, or the lineage's (step 0) when the stall began before it."""
     if ev.loss_floor is None or ev.best_loss is None or ev.best_step is None:
         return Verdict(None, "no floor or no smoothed loss")
-    if step - (ev.best_step if at_end else max(ev.best_step, ev.start_step)) < patience:
+    since = ev.best_step if ev.progress_step is None else min(ev.progress_step, ev.best_step)
+    if step - (since if at_end else max(since, ev.start_step)) < patience:
         return Verdict(None, "improving")
     p = progress(ev.best_loss, ev.initial_loss, ev.loss_floor)
     if p is None or p >= cfg.stall_max_progress:
         return Verdict(None, "improving or near the floor")
     if ev.vanishing:  # stalled because the gradients vanished: the diagnosis that no LR retry is spent on
         return _vanishing(ev.best_loss, p, ev, cfg.stall_max_progress, f"by step {step} the best smoothed loss")
+    since_what = (f"has not improved for {step - since} steps" if since == ev.best_step else
+                  f"has improved by less than {cfg.stall_min_gain:.0%} of the way to the floor for {step - since} "
+                  f"steps (since step {since})")
     return Verdict(
         STALLED,
-        f"stalled: the best smoothed loss {_fmt(ev.best_loss)} (step {ev.best_step}) has not improved for "
-        f"{step - ev.best_step} steps, {p:.0%} of the way from the initial {_fmt(ev.initial_loss)} to the floor "
-        f"{_fmt(ev.loss_floor)} (a run may level off only past {cfg.stall_max_progress:.0%})",
+        f"stalled: the best smoothed loss {_fmt(ev.best_loss)} (step {ev.best_step}) {since_what}, {p:.0%} of the "
+        f"way from the initial {_fmt(ev.initial_loss)} to the floor {_fmt(ev.loss_floor)} (a run may level off only "
+        f"past {cfg.stall_max_progress:.0%})",
         value=ev.best_loss, threshold=_threshold(ev, cfg.stall_max_progress),
         onset_step=ev.start_step if ev.best_step >= ev.start_step else 0,
     )

@@ -29,6 +29,11 @@ class Success(Section):
     attempt ends there and, like a run that never learned, starts again with a lower LR. None turns the rule off."""
     stall_max_progress: StrictFloat = Field(default=0.75, gt=0.0, le=1.0)
     """The share of the way to the floor below which a run may not level off (see stall_fraction)."""
+    stall_min_gain: StrictFloat = Field(default=0.01, ge=0.0, lt=1.0)
+    """For the stall rule, the best smoothed loss has improved only when it fell by at least this share of the way
+    from the initial loss to the floor since the last improvement that counted. On a flat, noisy plateau the
+    smoothed loss touches a marginally lower best now and then by chance; each such touch restarted the stall clock.
+    0: any new best counts."""
     eval_regression_tolerance: StrictFloat | None = Field(default=0.1, ge=0.0, le=10.0)
     """With training.eval_interval: the final held-out (eval) loss may be at most this fraction above the best eval
     loss of the lineage, and must be below the first one (measured before any update); None: the eval loss is

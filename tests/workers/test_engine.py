@@ -370,6 +370,24 @@ def test_a_run_that_stalls_far_from_its_floor_is_stopped_not_succeeded(tmp_path:
     assert safe.outcome == "succeeded", safe.reason
 
 
+def test_the_stall_clock_counts_from_the_last_improvement_that_counted(tmp_path: Path) -> None:
+    """The same plateau with ``stall_min_gain`` at 5% of the way to the floor: the smoothed loss still sets a few
+    marginally lower bests after its last 5% gain, and the clock runs from that gain, not from them, so the run is
+    stopped sooner, 40 steps after the step its reason names."""
+    sink = ListSink()
+    recipe = make_recipe(**{**PLATEAU, "success": {**DEFAULT_SUCCESS, "stall_min_gain": 0.05}})
+    res = run(recipe, tmp_path / "gain", sink)
+    assert res.outcome == "diverged" and res.detector == "stalled", res.reason
+    [anomaly] = [a for a in sink.of_type("anomaly") if a["detector"] == "verdict"]
+    reason = anomaly["details"]["reason"]
+    best_step = int(reason.split("(step ")[1].split(")")[0])
+    since = int(reason.split("(since step ")[1].split(")")[0])
+    assert "less than 5% of the way to the floor for 40 steps" in reason
+    assert since < best_step and res.final_step == since + 40
+    plain = run(make_recipe(**{**PLATEAU, "success": {**DEFAULT_SUCCESS, "stall_min_gain": 0.0}}), tmp_path / "any")
+    assert plain.detector == "stalled" and plain.final_step > res.final_step
+
+
 def test_a_healthy_run_passes_the_verdict(tmp_path: Path) -> None:
     res = run(make_recipe(training={"max_steps": 120}, success=DEFAULT_SUCCESS), tmp_path)
     assert res.outcome == "succeeded", res.reason

@@ -18,12 +18,14 @@ from workers.verdict import (
     VERDICT_KINDS,
     EvalEvidence,
     Evidence,
+    Verdict,
     early_check_step,
     final_loss,
     judge_end,
     judge_progress,
     judge_stall,
     progress,
+    progress_mark,
     stall_steps,
 )
 
@@ -31,9 +33,10 @@ CFG = Success()
 
 
 def ev(final: float | None, *, best: float | None = 1.6, best_step: int | None = 250, initial: float | None = 4.2,
-       floor: float | None = 1.39, noise: float = 0.0, vanishing: bool = False, start: int = 0) -> Evidence:
+       floor: float | None = 1.39, noise: float = 0.0, vanishing: bool = False, start: int = 0,
+       since: int | None = None) -> Evidence:
     return Evidence(final_loss=final, best_loss=best, best_step=best_step, initial_loss=initial, loss_floor=floor,
-                    noise_std=noise, vanishing=vanishing, start_step=start)
+                    noise_std=noise, vanishing=vanishing, start_step=start, progress_step=since)
 
 
 @pytest.mark.parametrize(
@@ -110,6 +113,8 @@ def test_the_early_check_gives_the_vanishing_diagnosis_when_the_gradients_vanish
         (ev(None, best=2.8, best_step=30, start=50), 90, STALLED),  # and then the stall began before it: onset 0
         (ev(None, best=2.8, best_step=60, start=50), 100, STALLED),  # began in this attempt: onset at its start
         (ev(None, best=4.3, best_step=30), 70, STALLED),           # never below the initial loss at all
+        (ev(None, best=2.8, best_step=60, since=30), 70, STALLED),  # newer bests, but none by 1% of the way
+        (ev(None, best=2.8, best_step=60, since=31), 70, None),     # the last that counted: 39 steps ago
         (ev(None, best=2.8, best_step=30, vanishing=True), 70, VANISHING),  # why it stalled: give up, not retry
     ],
 )
@@ -122,6 +127,54 @@ def test_judge_stall(evidence: Evidence, step: int, kind: str | None) -> None:
         assert v.onset_step == (evidence.start_step if evidence.best_step >= evidence.start_step else 0)
         assert v.value == evidence.best_loss
         assert v.threshold == pytest.approx(4.2 - 0.75 * (4.2 - 1.39))
+
+
+@pytest.mark.parametrize(
+    ("mark", "best_step", "best", "initial", "floor", "min_gain", "expected"),
+    [
+        # initial 4.2, floor 1.39: 1% of the way is 0.0281
+        (None, 5, 3.0, 4.2, 1.39, 0.01, (5, 3.0)),               # the first best sets the mark
+        ((5, 3.0), 9, 2.98, 4.2, 1.39, 0.01, (5, 3.0)),          # 0.02 lower: less than 1% of the way, no move
+        ((5, 3.0), 9, 2.97, 4.2, 1.39, 0.01, (9, 2.97)),         # 0.03 lower: it counts
+        ((5, 3.0), 9, 2.98, 4.2, 1.39, 0.0, (9, 2.98)),          # 0: any new best counts, as before
+        ((5, 3.0), 9, 2.98, 4.2, None, 0.01, (9, 2.98)),         # no floor: the way is unknown, any best counts
+        ((5, 3.0), 5, 3.0, 4.2, 1.39, 0.01, (5, 3.0)),           # no new best
+        ((5, 3.0), None, None, 4.2, 1.39, 0.01, (5, 3.0)),       # nothing smoothed (a disabled detector)
+        (None, None, None, 4.2, 1.39, 0.01, None),
+    ],
+)
+def test_progress_mark(mark: tuple[int, float] | None, best_step: int | None, best: float | None, initial: float,
+                       floor: float | None, min_gain: float, expected: tuple[int, float] | None) -> None:
+    assert progress_mark(mark, best_step=best_step, best_loss=best, initial=initial, floor=floor,
+                         min_gain=min_gain) == expected
+
+
+def test_a_creeping_plateau_stalls_though_it_keeps_setting_new_bests() -> None:
+    """A loss that creeps down a hair at a time (0.02% of the way to the floor a step, plus seeded batch noise)
+    sets a new smoothed best every few steps: a clock that any new best restarts never runs out in 300 steps, while
+    the improvements that count (1% of the way) are more than the 40-step patience apart, so the rule fires, and
+    says since when."""
+    import random
+
+    rng = random.Random(11)
+    initial, floor, ema, alpha = 4.2, 1.39, 2.8, 0.05
+    best: tuple[int, float] | None = None
+    mark: tuple[int, float] | None = None
+    first: dict[str, Verdict] = {}
+    for step in range(1, 301):
+        ema += alpha * (2.8 - 2e-4 * (initial - floor) * step + rng.gauss(0.0, 0.02) - ema)
+        if best is None or ema < best[1]:
+            best = (step, ema)
+        mark = progress_mark(mark, best_step=best[0], best_loss=best[1], initial=initial, floor=floor,
+                             min_gain=CFG.stall_min_gain)
+        assert mark is not None
+        for name, since in (("any best", best[0]), ("gain", mark[0])):
+            v = judge_stall(CFG, ev(None, best=best[1], best_step=best[0], since=since), step=step, patience=40)
+            if not v.healthy:
+                first.setdefault(name, v)
+    assert "any best" not in first
+    v = first["gain"]
+    assert v.kind == STALLED and "less than 1% of the way to the floor for 40 steps" in v.reason, v.reason
 
 
 def test_at_the_end_the_stall_rule_judges_the_whole_lineage() -> None:
