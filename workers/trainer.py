@@ -478,7 +478,7 @@ class GuardedTrainer:
         return Evidence(
             final_loss=final_loss(self.result.losses, self.recipe.success.window),
             best_loss=summary.best, best_step=summary.best_step, initial_loss=summary.initial,
-            loss_floor=self.data.loss_floor, noise_std=summary.noise_std,
+            loss_floor=self.data.loss_floor, trivial_loss=self.data.trivial_loss, noise_std=summary.noise_std,
             vanishing=any(f["kind"] == "vanishing_gradients" for f in self.result.findings),
             start_step=self.start_step,
             progress_step=None if self._progress_mark is None else self._progress_mark[0],

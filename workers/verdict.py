@@ -32,6 +32,12 @@ time (the recipe's ``success`` section holds the tolerances):
   not to cover ``min_progress``: the generalisation gap is the data's and the model's, not a stability matter.
 - **above the bar**: the final loss is above the user's ``max_final_loss``.
 
+Real progress is also judged against what learning nothing scores: a final loss no lower than the data's
+``trivial_loss`` (the best prediction that ignores the inputs: the targets' mean, or their frequencies) is
+**never_learned** however far it fell from the initial loss, since an initialisation that blows the loss up (a
+deep net at a large init scale starts near 1e6 on unit-variance targets) makes any fall look like progress. Only
+at the end: early on, a healthy run may still be above it.
+
 The clean initial loss is the lower of the first finite loss of the lineage (measured before any update, so no
 blow-up can raise it) and the detector's mean of the first few losses: a blow-up in the first steps must not
 make a plateau at the initial level look like progress.
@@ -96,6 +102,8 @@ class Evidence:
     """Clean initial loss of the lineage (see the module docstring)."""
     loss_floor: float | None
     """The data's best achievable loss, when known."""
+    trivial_loss: float | None = None
+    """The loss of the best prediction that ignores the inputs (``DataSource.trivial_loss``), when known."""
     noise_std: float = 0.0
     """Batch-to-batch standard deviation of the loss (the loss detector's estimate): the regression test allows
     one of it on top of the tolerance, since the best smoothed loss of a noisy loss is biased low."""
@@ -242,6 +250,15 @@ def judge_end(cfg: Success, ev: Evidence, *, step: int | None = None, stall_pati
             f"{_fmt(ev.initial_loss)} to the floor (needs {cfg.min_progress:.0%})",
             value=final, threshold=_threshold(ev, cfg.min_progress), onset_step=ev.start_step,
         )
+    if ev.trivial_loss is not None and final >= ev.trivial_loss:
+        what = (f"the final loss {_fmt(final)} is no better than {_fmt(ev.trivial_loss)}, the loss of a prediction "
+                "that ignores the inputs")
+        if ev.vanishing:
+            return Verdict(VANISHING, f"vanishing gradients: {what}; tightening the LR or clip cannot fix vanishing "
+                           "gradients (change the activation, the initialisation, normalisation or residual "
+                           "connections)", value=final, threshold=ev.trivial_loss, onset_step=ev.start_step)
+        return Verdict(NEVER_LEARNED, f"never learned: {what} (its fall from the initial {_fmt(ev.initial_loss)} "
+                       "was not learning)", value=final, threshold=ev.trivial_loss, onset_step=ev.start_step)
     if step is not None and stall_patience is not None:
         stalled = judge_stall(cfg, ev, step=step, patience=stall_patience, at_end=True)
         if not stalled.healthy:

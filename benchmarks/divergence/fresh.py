@@ -5,7 +5,9 @@ worker), under ``none`` and ``ballast``, beside its reference (the same model an
 
 ``python -m benchmarks.divergence.fresh [NAME ...]`` prints one JSON line per scenario: outcome, final ÷ reference
 (mean of the last 20 steps of the lineage's curve), steps executed ÷ max_steps and every attempt's changes.
-A scenario that has been looked at is no longer fresh: BENCHMARKS.md says which were used to change what.
+A scenario that has been looked at is no longer fresh: BENCHMARKS.md says which were used to change what. With no
+NAME the first set runs; ``--set 2026-12-05`` runs the second (``SCENARIOS_2026_12_05``: six unstable recipes, three
+healthy controls), whose names are also accepted one by one.
 """
 
 from __future__ import annotations
@@ -68,6 +70,32 @@ SCENARIOS: dict[str, tuple[dict[str, Any], float]] = {
     "mlp-tanh-sgd": (_recipe({"name": "deep_mlp", "depth": 6, "width": 64, "activation": "tanh"},
                              {"name": "regression", "dim": 16}, {"name": "sgd", "lr": 1.5}, clipping=NO_CLIP), 0.005),
 }
+FAULTS_OFF = -1.0
+"""A reference LR of this value: the reference is the same recipe without its faults (an injected fault's case)."""
+SCENARIOS_2026_12_05: dict[str, tuple[dict[str, Any], float]] = {
+    # written on 2026-12-05 after every rule of that day was made, and run once to report (BENCHMARKS.md)
+    "gpt-4layer-adam-warmup5": (_recipe(_gpt(64, n_layers=4), MARKOV, {"name": "adam", "lr": 0.02}, warmup=5),
+                                0.002),
+    "lstm-sum-adam": (_recipe({"name": "rnn", "cell": "lstm", "hidden": 64},
+                              {"name": "sequence", "task": "running_sum", "seq_len": 16, "dim": 8},
+                              {"name": "adam", "lr": 0.3}), 0.01),
+    "mlp-gelu-sgd-momentum": (_recipe({"name": "deep_mlp", "depth": 8, "width": 64, "activation": "gelu",
+                                       "init_scale": 2.0}, {"name": "regression", "dim": 16},
+                                      {"name": "sgd", "lr": 0.1, "momentum": 0.9}, clipping=NO_CLIP), 0.01),
+    "linear-sgd-cond1000": (_recipe({"name": "linear"}, {"name": "regression", "dim": 64, "condition": 1000.0},
+                                    {"name": "sgd", "lr": 0.5}, clipping=NO_CLIP), 0.025),
+    "gpt-adamw-grad-fault": ({**_recipe(_gpt(48), MARKOV, {"name": "adamw", "lr": 0.003}, warmup=10),
+                              "faults": [{"type": "grad_scale", "step": 70, "factor": 1e4}]}, FAULTS_OFF),
+    "gpt-fp16-adamw-lr0.02": (_recipe(_gpt(64), MARKOV, {"name": "adamw", "lr": 0.02}, dtype="fp16"), 0.002),
+    # healthy controls: the reference is the run itself; ballast should leave them alone (1 attempt)
+    "control-mlp-relu-adam": (_recipe({"name": "deep_mlp", "depth": 6, "width": 64}, {"name": "regression", "dim": 16},
+                                      {"name": "adam", "lr": 0.001}), 0.001),
+    "control-gru-sum-sgd": (_recipe({"name": "rnn", "cell": "gru", "hidden": 32},
+                                    {"name": "sequence", "task": "running_sum", "seq_len": 16, "dim": 4},
+                                    {"name": "sgd", "lr": 0.05, "momentum": 0.9}), 0.05),
+    "control-gpt-bf16-d32": (_recipe(_gpt(32), MARKOV, {"name": "adamw", "lr": 0.002}, warmup=15, dtype="bf16"),
+                             0.002),
+}
 POLICIES = {"none": {"max_retries": 0}, "ballast": {}}
 
 
@@ -107,9 +135,13 @@ def run(doc: dict[str, Any], recovery: dict[str, Any]) -> dict[str, Any]:
 
 def main(names: list[str]) -> None:
     torch.set_num_threads(1)
+    every = {**SCENARIOS, **SCENARIOS_2026_12_05}
+    if names[:2] == ["--set", "2026-12-05"]:
+        names = list(SCENARIOS_2026_12_05) + names[2:]
     for name in names or list(SCENARIOS):
-        doc, ref_lr = SCENARIOS[name]
-        ref = run(deep_merge(doc, {"optimizer": {"lr": ref_lr}}), POLICIES["none"])
+        doc, ref_lr = every[name]
+        safe = {"faults": []} if ref_lr == FAULTS_OFF else {"optimizer": {"lr": ref_lr}}
+        ref = run(deep_merge(doc, safe), POLICIES["none"])
         line: dict[str, Any] = {"scenario": name, "reference": {k: ref[k] for k in ("outcome", "final")}}
         for policy, recovery in POLICIES.items():
             res = run(doc, recovery)

@@ -285,3 +285,40 @@ def test_full_batch_gd_on_the_fixed_design_diverges_exactly_beyond_2_over_lambda
     with torch.no_grad():
         last = float(model(data.batch(0)))
     assert (not math.isfinite(last) or last > 100 * first) if diverges else last < first
+
+
+def _constant_guess_loss(data: Any, batches: int) -> tuple[float, float]:
+    """The training loss of the best input-free guess, measured on real batches (its mean and standard error):
+    the targets' empirical frequencies (CE) or their mean (MSE), fitted on the same batches."""
+    ys = [data.batch(i)[1] for i in range(batches)]
+    if ys[0].dtype == torch.long:
+        y = torch.cat([t.flatten() for t in ys])
+        freq = torch.bincount(y, minlength=data.vocab_size).double() / y.numel()
+        losses = -freq[y].log()
+    else:
+        y = torch.cat(ys).double()
+        losses = ((y - y.mean(0, keepdim=True)) ** 2).flatten()
+    return float(losses.mean()), float(losses.std()) / math.sqrt(losses.numel())
+
+
+@pytest.mark.parametrize(
+    ("name", "spec", "expected"),
+    [
+        ("markov", MarkovData(vocab_size=32, seq_len=32, branching=4), None),
+        ("markov", MarkovData(vocab_size=16, seq_len=16, branching=2, seed=5), None),
+        ("regression", RegressionData(dim=8, noise=0.3), 1.09),
+        ("fixed design", RegressionData(dim=6, noise=0.1, seed=2, fixed_design=True, num_samples=64), None),
+        ("running sum", SequenceData(task="running_sum", seq_len=12, dim=3), 1.0),
+        ("copy", SequenceData(task="copy", seq_len=16, dim=4), 0.75),  # zero targets before the delay of 4
+    ],
+)
+def test_trivial_loss_is_what_ignoring_the_inputs_scores(name: str, spec: Any, expected: float | None) -> None:
+    """``trivial_loss`` (what the verdict calls learning nothing) matches the loss of the best constant guess on
+    the data's own training batches, within 5 standard errors; it lies above the floor."""
+    data = build_data(spec, seed=3, batch_size=32)
+    assert data.trivial_loss is not None and data.loss_floor is not None
+    measured, se = _constant_guess_loss(data, 60)
+    assert measured == pytest.approx(data.trivial_loss, abs=5 * se + 1e-3), name
+    if expected is not None:
+        assert data.trivial_loss == pytest.approx(expected)
+    assert data.trivial_loss > data.loss_floor

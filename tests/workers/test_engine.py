@@ -388,6 +388,30 @@ def test_the_stall_clock_counts_from_the_last_improvement_that_counted(tmp_path:
     assert plain.detector == "stalled" and plain.final_step > res.final_step
 
 
+def test_a_fall_from_a_blown_up_initial_loss_that_never_beats_the_mean_is_not_success(tmp_path: Path) -> None:
+    """A deep GELU MLP at twice the usual init scale starts near 1.6e6 on unit-variance targets; at a small LR
+    behind a clip its loss falls 97% of the way to the floor and stays near 3e4, far above the 1.0 that predicting
+    the mean scores. By progress from the initial loss it learned; by the data's trivial loss it learned nothing,
+    and that is the verdict (a fresh scenario ended SUCCEEDED at 4e4 before this rule)."""
+    recipe = Recipe.model_validate({
+        "name": "blown-up-init",
+        "model": {"name": "deep_mlp", "depth": 8, "width": 64, "activation": "gelu", "init_scale": 2.0},
+        "data": {"name": "regression", "dim": 16},
+        "training": {"max_steps": 100, "batch_size": 16, "seed": 7},
+        "optimizer": {"name": "sgd", "lr": 0.0004, "momentum": 0.9},
+        "clipping": {"method": "global_norm", "max_norm": 1.0},
+        "schedule": {"warmup_steps": 30, "decay": "cosine"},
+    })
+    sink = ListSink()
+    res = run(recipe, tmp_path, sink)
+    assert res.outcome == "diverged" and res.detector == "never_learned", res.reason
+    assert "no better than 1," in res.reason and "ignores the inputs" in res.reason
+    [verdict] = [a for a in sink.of_type("anomaly") if a["detector"] == "verdict"]
+    assert verdict["threshold"] == pytest.approx(1.0001)  # 1 + noise² (0.01²)
+    assert verdict["value"] > 1.0 and res.losses[0] > 10 * verdict["value"]  # it fell >90%, and learned nothing
+    assert res.final_step == 100  # judged at the end, not early
+
+
 def test_a_healthy_run_passes_the_verdict(tmp_path: Path) -> None:
     res = run(make_recipe(training={"max_steps": 120}, success=DEFAULT_SUCCESS), tmp_path)
     assert res.outcome == "succeeded", res.reason

@@ -34,9 +34,10 @@ CFG = Success()
 
 def ev(final: float | None, *, best: float | None = 1.6, best_step: int | None = 250, initial: float | None = 4.2,
        floor: float | None = 1.39, noise: float = 0.0, vanishing: bool = False, start: int = 0,
-       since: int | None = None) -> Evidence:
+       since: int | None = None, trivial: float | None = None) -> Evidence:
     return Evidence(final_loss=final, best_loss=best, best_step=best_step, initial_loss=initial, loss_floor=floor,
-                    noise_std=noise, vanishing=vanishing, start_step=start, progress_step=since)
+                    noise_std=noise, vanishing=vanishing, start_step=start, progress_step=since,
+                    trivial_loss=trivial)
 
 
 @pytest.mark.parametrize(
@@ -53,6 +54,13 @@ def ev(final: float | None, *, best: float | None = 1.6, best_step: int | None =
         (ev(0.5, best=0.48, initial=1.0, floor=None), None, None),  # unknown floor: progress towards 0
         (ev(0.9, best=0.85, initial=1.0, floor=None), NEVER_LEARNED, 0),  # 10% of the way to 0 < 25%
         (ev(2.4, start=100), DEGRADED, 251),
+        # a blown-up initialisation (1.5e6 on unit-variance targets): a fall to 4e4 covers 97% of the way to the
+        # floor but is no better than predicting the mean (1.0): it learned nothing
+        (ev(4.1e4, best=4.0e4, initial=1.5e6, floor=1e-4, trivial=1.0), NEVER_LEARNED, 0),
+        (ev(4.1e4, best=4.0e4, initial=1.5e6, floor=1e-4, trivial=1.0, vanishing=True, start=30), VANISHING, 30),
+        (ev(1.0, best=1.0, initial=1.5e6, floor=1e-4, trivial=1.0), NEVER_LEARNED, 0),  # exactly the mean's loss
+        (ev(0.9, best=0.9, initial=1.5e6, floor=1e-4, trivial=1.0), None, None),  # below it: it learned something
+        (ev(1.65, trivial=3.18), None, None),  # a language model well below its token frequencies' entropy
     ],
 )
 def test_judge_end(evidence: Evidence, kind: str | None, onset: int | None) -> None:
@@ -69,6 +77,12 @@ def test_reasons_name_the_numbers() -> None:
     assert "2.4" in v.reason and "1.6" in v.reason and "step 250" in v.reason
     v = judge_end(CFG, ev(4.0, vanishing=True))
     assert "vanishing" in v.reason and "4" in v.reason
+
+
+def test_a_loss_no_better_than_ignoring_the_inputs_names_both_numbers() -> None:
+    v = judge_end(CFG, ev(4.1e4, best=4.0e4, initial=1.5e6, floor=1e-4, trivial=1.0))
+    assert "4.1e+04" in v.reason and "no better than 1," in v.reason and "1.5e+06" in v.reason
+    assert v.threshold == 1.0
 
 
 def test_users_own_bar() -> None:

@@ -122,6 +122,10 @@ class DataSource(ABC):
     """Markov data: the exact conditional entropy of the source (nats/token), the lowest achievable CE."""
     loss_floor: float | None = None
     """The lowest achievable loss of a perfect model in the model's loss units (CE or MSE), when known."""
+    trivial_loss: float | None = None
+    """The training loss of the best prediction that ignores the inputs (the targets' mean for MSE, their
+    frequencies for CE), when known: a model that ends no lower has learned nothing from its inputs, however far
+    it fell from a blown-up initial loss (``workers/verdict.py``)."""
 
     def __init__(self, spec: Any, *, seed: int, batch_size: int, rank: int, world_size: int) -> None:
         if batch_size < 1:

@@ -82,6 +82,10 @@ class MarkovSource(DataSource):
         row_entropy = -(self.probs * self.probs.log()).sum(1)
         self.entropy_floor = float((self.stationary * row_entropy).sum())
         self.loss_floor = self.entropy_floor
+        # every target is marginally stationary (sequences start there): the best fixed guess is the stationary
+        # distribution itself, and its cross-entropy is that distribution's entropy
+        pi = self.stationary[self.stationary > 0]
+        self.trivial_loss = float(-(pi * pi.log()).sum())
 
     def transition_matrix(self) -> Tensor:
         """Dense (vocab, vocab) float64 transition matrix (for tests and analysis; O(vocab²) memory)."""
@@ -172,6 +176,7 @@ class RegressionSource(DataSource):
         self._w = w.float()[:, None]
         self.noise = spec.noise
         self.loss_floor = spec.noise**2
+        self.trivial_loss = 1.0 + spec.noise**2  # E[y] = 0 and Var(y) = wᵀΣw + noise² = 1 + noise²
         self.fixed_design = spec.fixed_design
         if spec.fixed_design:
             self._build_design(spec)
@@ -194,6 +199,7 @@ class RegressionSource(DataSource):
         self.hessian_lambda_max_no_bias = float(2.0 * torch.linalg.eigvalsh(xd.T @ xd / n).max())
         coef = torch.linalg.lstsq(aug, y.double()).solution
         self.design_loss_floor = float(((aug @ coef - y.double()) ** 2).mean())
+        self.trivial_loss = float(y.double().var(correction=0))  # training batches are rows of X: their mean
 
     def _make(self, gen: torch.Generator, index: int, stream: str) -> tuple[Tensor, Tensor]:
         if self.design_inputs is not None and self.design_targets is not None and stream == "train":
@@ -229,6 +235,8 @@ class SequenceSource(DataSource):
         self.task = spec.task
         self.delay = max(1, spec.seq_len // 4)
         self.loss_floor = 0.0
+        # zero-mean, unit-variance targets (running_sum everywhere; copy after the delay, zero before it)
+        self.trivial_loss = 1.0 if spec.task is SequenceTask.running_sum else (spec.seq_len - self.delay) / spec.seq_len
         self._norm = torch.arange(1, spec.seq_len + 1, dtype=torch.float32).rsqrt()[None, :, None]
 
     def _make(self, gen: torch.Generator, index: int, stream: str) -> tuple[Tensor, Tensor]:
