@@ -36,7 +36,8 @@ Real progress is also judged against what learning nothing scores: a final loss 
 ``trivial_loss`` (the best prediction that ignores the inputs: the targets' mean, or their frequencies) is
 **never_learned** however far it fell from the initial loss, since an initialisation that blows the loss up (a
 deep net at a large init scale starts near 1e6 on unit-variance targets) makes any fall look like progress. Only
-at the end: early on, a healthy run may still be above it.
+at the end (early on, a healthy run may still be above it), and off with the other progress rules
+(``min_progress: 0``).
 
 The clean initial loss is the lower of the first finite loss of the lineage (measured before any update, so no
 blow-up can raise it) and the detector's mean of the first few losses: a blow-up in the first steps must not
@@ -250,7 +251,7 @@ def judge_end(cfg: Success, ev: Evidence, *, step: int | None = None, stall_pati
             f"{_fmt(ev.initial_loss)} to the floor (needs {cfg.min_progress:.0%})",
             value=final, threshold=_threshold(ev, cfg.min_progress), onset_step=ev.start_step,
         )
-    if ev.trivial_loss is not None and final >= ev.trivial_loss:
+    if ev.trivial_loss is not None and cfg.min_progress > 0.0 and final >= ev.trivial_loss:
         what = (f"the final loss {_fmt(final)} is no better than {_fmt(ev.trivial_loss)}, the loss of a prediction "
                 "that ignores the inputs")
         if ev.vanishing:
@@ -258,7 +259,7 @@ def judge_end(cfg: Success, ev: Evidence, *, step: int | None = None, stall_pati
                            "gradients (change the activation, the initialisation, normalisation or residual "
                            "connections)", value=final, threshold=ev.trivial_loss, onset_step=ev.start_step)
         return Verdict(NEVER_LEARNED, f"never learned: {what} (its fall from the initial {_fmt(ev.initial_loss)} "
-                       "was not learning)", value=final, threshold=ev.trivial_loss, onset_step=ev.start_step)
+                       "only undid a bad start)", value=final, threshold=ev.trivial_loss, onset_step=ev.start_step)
     if step is not None and stall_patience is not None:
         stalled = judge_stall(cfg, ev, step=step, patience=stall_patience, at_end=True)
         if not stalled.healthy:

@@ -247,8 +247,11 @@ HF_MODULE = "tests.api.hf_like"
 
 @pytest.fixture(scope="module")
 def hf_trained(tmp_path_factory: pytest.TempPathFactory) -> Trained:
+    # its tied N(0, 1) embeddings start the loss near 18 nats, and 40 steps leave it above what predicting the
+    # token frequencies scores: never learned, by the verdict; this test is about the export, not the learning
     doc = {**TINY, "name": "hf-like", "model": {"name": "custom", "factory": f"{HF_MODULE}:build",
-                                                "params": {"vocab_size": 64, "d_model": 16}}}
+                                                "params": {"vocab_size": 64, "d_model": 16}},
+           "success": {"min_progress": 0.0, "early_min_progress": 0.0}}
     recipe = load_recipe(yaml.safe_dump(doc), allowed_import_modules=[HF_MODULE])
     sinks: list[ListSink] = []
 

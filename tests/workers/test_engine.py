@@ -362,27 +362,36 @@ def test_a_run_that_stalls_far_from_its_floor_is_stopped_not_succeeded(tmp_path:
     res = run(make_recipe(**PLATEAU), tmp_path / "stalled", sink)
     assert res.outcome == "diverged" and res.detector == "stalled", res.reason
     [anomaly] = [a for a in sink.of_type("anomaly") if a["detector"] == "verdict"]
-    best_step = int(anomaly["details"]["reason"].split("(step ")[1].split(")")[0])
-    assert res.final_step == best_step + 40 < 180 and res.onset_step == 0
+    best_step, since = _stall_steps(anomaly["details"]["reason"])
+    # the clock ran from the best, or from an older best when the newer ones each improved by under 1% of the way
+    # to the floor (which of the two depends on the last bits of the plateau's noise, i.e. on the CPU)
+    assert since <= best_step and res.final_step == since + 40 < 180 and res.onset_step == 0
     assert anomaly["value"] > anomaly["threshold"]  # short of 75% of the way to the floor
     assert min(res.losses[best_step + 1:]) > 1.5 * 1.245  # what it did after its best: nowhere near the floor
     safe = run(make_recipe(**{**PLATEAU, "optimizer": {"lr": 3e-3}}), tmp_path / "safe")
     assert safe.outcome == "succeeded", safe.reason
 
 
+def _stall_steps(reason: str) -> tuple[int, int]:
+    """The best step a stall's reason names, and the step its clock ran from (the best unless it says since)."""
+    best_step = int(reason.split("(step ")[1].split(")")[0])
+    since = int(reason.split("(since step ")[1].split(")")[0]) if "(since step " in reason else best_step
+    return best_step, since
+
+
 def test_the_stall_clock_counts_from_the_last_improvement_that_counted(tmp_path: Path) -> None:
-    """The same plateau with ``stall_min_gain`` at 5% of the way to the floor: the smoothed loss still sets a few
-    marginally lower bests after its last 5% gain, and the clock runs from that gain, not from them, so the run is
-    stopped sooner, 40 steps after the step its reason names."""
+    """The same plateau with ``stall_min_gain`` at 10% of the way to the floor: the loss covers that much only
+    while it falls fast, early in the warmup; on the plateau the smoothed loss still sets marginally lower bests,
+    and the clock runs from the last 10% gain, not from them, so the run is stopped sooner, 40 steps after the step
+    its reason names."""
     sink = ListSink()
-    recipe = make_recipe(**{**PLATEAU, "success": {**DEFAULT_SUCCESS, "stall_min_gain": 0.05}})
+    recipe = make_recipe(**{**PLATEAU, "success": {**DEFAULT_SUCCESS, "stall_min_gain": 0.1}})
     res = run(recipe, tmp_path / "gain", sink)
     assert res.outcome == "diverged" and res.detector == "stalled", res.reason
     [anomaly] = [a for a in sink.of_type("anomaly") if a["detector"] == "verdict"]
     reason = anomaly["details"]["reason"]
-    best_step = int(reason.split("(step ")[1].split(")")[0])
-    since = int(reason.split("(since step ")[1].split(")")[0])
-    assert "less than 5% of the way to the floor for 40 steps" in reason
+    best_step, since = _stall_steps(reason)
+    assert "less than 10% of the way to the floor for 40 steps (since step " in reason
     assert since < best_step and res.final_step == since + 40
     plain = run(make_recipe(**{**PLATEAU, "success": {**DEFAULT_SUCCESS, "stall_min_gain": 0.0}}), tmp_path / "any")
     assert plain.detector == "stalled" and plain.final_step > res.final_step

@@ -239,6 +239,9 @@ def test_zero_turns_the_progress_rules_off() -> None:
     assert judge_end(off, ev(4.7, best=4.2)).kind == DEGRADED  # regression is still judged
     assert judge_end(off, ev(4.3, best=4.2)).healthy
     assert judge_progress(off, smoothed_loss=4.5, ev=ev(None), step=75).healthy
+    # and the trivial-loss test with them (a short run to check mechanics, not learning)
+    assert judge_end(off, ev(5.3, best=5.2, initial=16.1, trivial=3.98)).healthy
+    assert judge_end(CFG, ev(5.3, best=5.2, initial=16.1, trivial=3.98)).kind == NEVER_LEARNED
 
 
 def test_every_verdict_kind_is_a_known_anomaly_kind() -> None:
