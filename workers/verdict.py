@@ -217,12 +217,18 @@ def judge_progress(cfg: Success, *, smoothed_loss: float, ev: Evidence, step: in
 
 def _vanishing(value: float, p: float, ev: Evidence, share: float, what: str) -> Verdict:
     """The vanishing diagnosis (the detector fired and the loss made no real progress), at the end or early."""
+    finding = (f"{what} {_fmt(value)} covered {p:.0%} of the way from the initial {_fmt(ev.initial_loss)} to the "
+               "floor")
+    return _vanishing_verdict(finding, value=value, threshold=_threshold(ev, share), onset=ev.start_step)
+
+
+def _vanishing_verdict(finding: str, *, value: float, threshold: float | None, onset: int) -> Verdict:
+    """The vanishing diagnosis with what the numbers showed (``finding``) and the advice: no retry can help."""
     return Verdict(
         VANISHING,
-        f"vanishing gradients: {what} {_fmt(value)} covered {p:.0%} of the way from the initial "
-        f"{_fmt(ev.initial_loss)} to the floor; tightening the LR or clip cannot fix vanishing gradients "
+        f"vanishing gradients: {finding}; tightening the LR or clip cannot fix vanishing gradients "
         "(change the activation, the initialisation, normalisation or residual connections)",
-        value=value, threshold=_threshold(ev, share), onset_step=ev.start_step,
+        value=value, threshold=threshold, onset_step=onset,
     )
 
 
@@ -255,9 +261,7 @@ def judge_end(cfg: Success, ev: Evidence, *, step: int | None = None, stall_pati
         what = (f"the final loss {_fmt(final)} is no better than {_fmt(ev.trivial_loss)}, the loss of a prediction "
                 "that ignores the inputs")
         if ev.vanishing:
-            return Verdict(VANISHING, f"vanishing gradients: {what}; tightening the LR or clip cannot fix vanishing "
-                           "gradients (change the activation, the initialisation, normalisation or residual "
-                           "connections)", value=final, threshold=ev.trivial_loss, onset_step=ev.start_step)
+            return _vanishing_verdict(what, value=final, threshold=ev.trivial_loss, onset=ev.start_step)
         return Verdict(NEVER_LEARNED, f"never learned: {what} (its fall from the initial {_fmt(ev.initial_loss)} "
                        "only undid a bad start)", value=final, threshold=ev.trivial_loss, onset_step=ev.start_step)
     if step is not None and stall_patience is not None:

@@ -83,6 +83,9 @@ def test_a_loss_no_better_than_ignoring_the_inputs_names_both_numbers() -> None:
     v = judge_end(CFG, ev(4.1e4, best=4.0e4, initial=1.5e6, floor=1e-4, trivial=1.0))
     assert "4.1e+04" in v.reason and "no better than 1," in v.reason and "1.5e+06" in v.reason
     assert v.threshold == 1.0
+    v = judge_end(CFG, ev(4.1e4, best=4.0e4, initial=1.5e6, floor=1e-4, trivial=1.0, vanishing=True))
+    assert v.reason.startswith("vanishing gradients: the final loss 4.1e+04 is no better than 1,")
+    assert "cannot fix vanishing gradients" in v.reason and v.threshold == 1.0
 
 
 def test_users_own_bar() -> None:
