@@ -2,6 +2,7 @@
 
 ``app.state`` holds what routes and hooks need: ``settings``, ``session_factory`` (built from
 ``settings.database_url`` in the lifespan unless one is passed in), ``engine`` (when the lifespan built it),
+``read_pool`` (PostgreSQL connections for reads on the event loop, while the lifespan runs; None otherwise),
 ``metrics`` (the app's Prometheus registry), ``event_poll_seconds`` (SSE poll period) and
 ``lifespan_hooks``: async context-manager factories ``hook(app)`` entered after the database is set up and
 exited at shutdown, in reverse order. ``ballast serve`` uses a hook to run the scheduler in the same process.
@@ -13,6 +14,7 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import AbstractAsyncContextManager, AsyncExitStack, asynccontextmanager
 from typing import Any
 
+import sqlalchemy as sa
 from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
 from sqlalchemy.orm import Session, sessionmaker
@@ -20,6 +22,7 @@ from sqlalchemy.orm import Session, sessionmaker
 import api
 from api.auth import TokenCache
 from api.bodies import BodyLimitMiddleware
+from api.deps import DB_CONCURRENCY
 from api.errors import install_error_handlers
 from api.metrics import AppMetrics, LatencyMiddleware
 from api.routes import API_PREFIX, api_routers, health_router
@@ -27,7 +30,7 @@ from api.routes.dashboard import install_dashboard
 from api.schemas import Problem
 from contracts.recipe import Recipe
 from orchestrator.settings import Settings, get_settings
-from orchestrator.store.db import make_engine, make_session_factory
+from orchestrator.store.db import AsyncReadPool, make_engine, make_session_factory
 
 LifespanHook = Callable[[FastAPI], AbstractAsyncContextManager[Any]]
 
@@ -51,12 +54,18 @@ async def _lifespan(app: FastAPI) -> AsyncIterator[None]:
         engine = make_engine(app.state.settings.database_url)
         app.state.engine = engine
         app.state.session_factory = make_session_factory(engine)
+    bind = app.state.session_factory.kw.get("bind")
+    read_pool = AsyncReadPool.for_engine(bind, DB_CONCURRENCY) if isinstance(bind, sa.Engine) else None
+    app.state.read_pool = read_pool
     try:
         async with AsyncExitStack() as stack:
             for hook in list(app.state.lifespan_hooks):
                 await stack.enter_async_context(hook(app))
             yield
     finally:
+        if read_pool is not None:
+            app.state.read_pool = None
+            await read_pool.close()
         if engine is not None:
             app.state.session_factory = None
             app.state.engine = None
@@ -118,6 +127,7 @@ def create_app(
     app.state.settings = settings
     app.state.session_factory = session_factory
     app.state.engine = None
+    app.state.read_pool = None  # set by the lifespan for PostgreSQL (``AsyncReadPool``)
     app.state.event_poll_seconds = 0.5
     app.state.lifespan_hooks = list(hooks)
     app.state.metrics = AppMetrics(lambda: app.state.session_factory)

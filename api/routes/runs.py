@@ -27,14 +27,14 @@ from api.serialize import run_fields, run_read
 from contracts.recipe import FieldError, RecipeError
 from orchestrator.policy.states import RunState
 from orchestrator.store import repo
+from orchestrator.store.db import AsyncReadPool
 from orchestrator.store.models import Run
 
 router = APIRouter(tags=["runs"])
 
 
-def _run_detail(session: Session, run_id: int, owner: str | None) -> RunDetail:
-    """One statement (``repo.get_run_overview``) → RunDetail; 404 for a run that is absent or someone else's."""
-    found = repo.get_run_overview(session=session, run_id=run_id, owner=owner)
+def _run_detail(found: repo.RunOverview | None, run_id: int) -> RunDetail:
+    """The overview (``repo.get_run_overview``) → RunDetail; 404 for a run that is absent or someone else's."""
     if found is None:
         raise run_not_found(run_id)
     overrides = found.attempt["overrides"] if found.attempt is not None else None
@@ -42,6 +42,10 @@ def _run_detail(session: Session, run_id: int, owner: str | None) -> RunDetail:
     fields["attempt"] = AttemptRead.model_validate(found.attempt) if found.attempt is not None else None
     fields["recipe"] = found.recipe
     return RunDetail.model_validate(fields)
+
+
+def _read_overview(session: Session, run_id: int, owner: str | None) -> repo.RunOverview | None:
+    return repo.get_run_overview(session=session, run_id=run_id, owner=owner)
 
 
 @router.post(
@@ -157,7 +161,13 @@ def _list_page(
     responses=problem_responses(401, 403, 404, 422),
 )
 async def get_run(run_id: RunId, principal: ReadPrincipal, request: Request) -> RunDetail:
-    return await in_db_thread(request, _run_detail, run_id, principal.owner_filter)
+    pool: AsyncReadPool | None = request.app.state.read_pool
+    owner = principal.owner_filter
+    if pool is not None:  # PostgreSQL: on the event loop
+        found = await repo.read_run_overview(pool=pool, run_id=run_id, owner=owner)
+    else:  # SQLite's driver blocks (as does any database of an app run without its lifespan): one thread hop
+        found = await in_db_thread(request, _read_overview, run_id, owner)
+    return _run_detail(found, run_id)
 
 
 @router.post(

@@ -43,6 +43,7 @@ from orchestrator.store.runs import (
     get_run_by_idempotency_key,
     get_run_overview,
     list_runs,
+    read_run_overview,
 )
 from orchestrator.store.tokens import create_token, get_token_by_hash, list_tokens, revoke_token
 from orchestrator.store.transitions import apply_transitions, set_attempt_state, set_run_state
@@ -55,6 +56,7 @@ __all__ = [
     "get_token_by_hash",
     "list_anomalies", "list_attempts", "list_checkpoints", "list_layer_snapshots", "list_runs", "list_tokens",
     "metric_series",
-    "newest_metric_after", "request_cancel", "request_retry", "revoke_token", "set_attempt_state", "set_run_state",
+    "newest_metric_after", "read_run_overview", "request_cancel", "request_retry", "revoke_token",
+    "set_attempt_state", "set_run_state",
     "state_changes_after",
 ]

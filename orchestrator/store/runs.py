@@ -17,7 +17,7 @@ from sqlalchemy.orm import Session, joinedload
 
 from contracts.recipe import Recipe, recipe_to_dict
 from orchestrator.policy.states import RunState
-from orchestrator.store.db import DriverRead
+from orchestrator.store.db import AsyncReadPool, DriverRead
 from orchestrator.store.models import AnomalyRow, Attempt, RecipeRow, Run, utcnow
 from orchestrator.store.paging import PageResult, decode_cursor, encode_cursor
 from orchestrator.store.transitions import log_creation
@@ -160,16 +160,25 @@ def get_run_overview(*, session: Session, run_id: int, owner: str | None = None)
     none); the recipe's text is not read. This is the API's hottest read: separate run, newest-attempt and
     ``anomaly_counts`` queries cost three round trips and the ORM's loading on top.
     """
-    params: dict[str, Any] = {"run_id": run_id}
-    if owner is not None:
-        params["owner"] = owner
-    read = _OVERVIEW_READS[owner is not None]
     engine = session.get_bind()
     assert isinstance(engine, sa.Engine), "sessions are bound to engines (make_session_factory)"
-    rows = read.rows(engine, params)
+    return _overview(_OVERVIEW_READS[owner is not None].rows(engine, _overview_params(run_id, owner)))
+
+
+async def read_run_overview(*, pool: AsyncReadPool, run_id: int, owner: str | None = None) -> RunOverview | None:
+    """``get_run_overview`` on the event loop, on a connection of ``pool`` (PostgreSQL)."""
+    return _overview(await _OVERVIEW_READS[owner is not None].arows(pool, _overview_params(run_id, owner)))
+
+
+def _overview_params(run_id: int, owner: str | None) -> dict[str, Any]:
+    return {"run_id": run_id} if owner is None else {"run_id": run_id, "owner": owner}
+
+
+def _overview(rows: list[tuple[Any, ...]]) -> RunOverview | None:
     if not rows:
         return None
-    first = dict(zip(read.keys, rows[0], strict=True))  # the other rows differ only in the anomaly count columns
+    keys = _OVERVIEW_READS[False].keys
+    first = dict(zip(keys, rows[0], strict=True))  # the other rows differ only in the anomaly count columns
     kind, count = _OVERVIEW_COUNT_AT
     attempt = None
     if first["attempt_id"] is not None:

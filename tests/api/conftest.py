@@ -58,12 +58,13 @@ def make_client(
         app = create_app(settings, session_factory)
         app.state.event_poll_seconds = 0.02
         client = TestClient(app)
+        client.__enter__()  # the lifespan runs, as under a server: on PostgreSQL it opens the app's read pool
         clients.append(client)
         return client
 
     yield make
     for c in clients:
-        c.close()
+        c.__exit__(None, None, None)
 
 
 @pytest.fixture

@@ -11,6 +11,7 @@ import sqlalchemy as sa
 from fastapi.testclient import TestClient
 from sqlalchemy.orm import Session, sessionmaker
 
+import orchestrator.store.db as db
 from orchestrator.store.models import AnomalyRow, Attempt, CheckpointRow, Event, Run
 from tests.api.conftest import YAML_RECIPE, post_yaml, seed_attempt, seed_run
 
@@ -188,6 +189,32 @@ def test_get_run_detail_with_summary(client: TestClient, session_factory: sessio
     assert body["recipe"]["optimizer"]["lr"] == 0.003
     listed = client.get(RUNS).json()["data"][0]
     assert listed["summary"]["anomalies_by_kind"] == {"grad_norm_spike": 2, "loss_spike": 1}
+
+
+def test_get_run_on_postgresql_reads_on_the_loop_and_a_lost_connection_is_a_503_once(
+    client: TestClient, session_factory: sessionmaker[Session], db_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """On PostgreSQL the app's lifespan opens its read pool and ``GET /runs/{id}`` uses it (the backend that served
+    the read is one of the pool's); when that connection's server side goes away, the next GET is a 503 problem
+    (not a 500) and the one after it is served again. On SQLite there is no read pool."""
+    pool = client.app.state.read_pool  # type: ignore[attr-defined]
+    if not db_url.startswith("postgresql"):
+        assert pool is None
+        return
+    assert pool is not None
+    monkeypatch.setattr(db, "PING_IDLE_S", 3600.0)  # in use a moment ago: not pinged before the next read
+    run_id = seed_run(session_factory)
+    assert client.get(f"{RUNS}/{run_id}").status_code == 200
+    with session_factory() as s:  # the pool's one connection so far, by its application name
+        pids = s.scalars(sa.text("SELECT pid FROM pg_stat_activity WHERE application_name = :name "
+                                 "AND datname = current_database()"), {"name": db.READ_POOL_NAME}).all()
+        assert len(pids) == 1
+        s.execute(sa.text("SELECT pg_terminate_backend(:pid)"), {"pid": pids[0]})
+    r = client.get(f"{RUNS}/{run_id}")
+    assert r.status_code == 503
+    assert r.headers["content-type"] == "application/problem+json"
+    assert r.json()["type"] == "urn:ballast:problem:database-unavailable"
+    assert client.get(f"{RUNS}/{run_id}").json()["id"] == run_id
 
 
 def test_get_missing_run_is_404_problem(client: TestClient) -> None:

@@ -1,9 +1,12 @@
-"""The PostgreSQL pool's liveness check: a connection that sat idle is pinged (and replaced when its server side is
-gone) before it is handed out; one in use a moment ago is handed out without a round trip."""
+"""The PostgreSQL pools' liveness check (the engine's, and the API's ``AsyncReadPool``): a connection that sat idle
+is pinged (and replaced when its server side is gone) before it is handed out; one in use a moment ago is handed out
+without a round trip, and if its server went away the read fails once, as SQLAlchemy's error, and the next one
+connects afresh."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import asyncio
+from collections.abc import Awaitable, Callable, Iterator
 
 import pytest
 import sqlalchemy as sa
@@ -90,3 +93,81 @@ def test_a_driver_read_whose_server_went_away_fails_as_sqlalchemy_would_then_the
     [(fresh,)] = read.rows(engine, {})
     assert fresh != pid
     engine.dispose()
+
+
+_PID = db.DriverRead(sa.select(sa.func.pg_backend_pid().label("pid")))
+
+
+def _with_read_pool(url: str, scenario: Callable[[db.AsyncReadPool], Awaitable[None]]) -> None:
+    engine = db.make_engine(url)
+    pool = db.AsyncReadPool.for_engine(engine, 1)
+    assert pool is not None
+    pool.timeout = 0.5
+
+    async def go() -> None:
+        try:
+            await scenario(pool)
+        finally:
+            await pool.close()
+
+    asyncio.run(go())
+    engine.dispose()
+
+
+def test_an_async_read_whose_server_went_away_fails_once_then_the_pool_recovers(
+    pg_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(db, "PING_IDLE_S", 3600.0)  # in use a moment ago: not pinged
+
+    async def scenario(pool: db.AsyncReadPool) -> None:
+        [(pid,)] = await _PID.arows(pool, {})
+        _kill_backend(pg_url, int(pid))
+        with pytest.raises(sa.exc.OperationalError):  # the API's 503
+            await _PID.arows(pool, {})
+        [(fresh,)] = await _PID.arows(pool, {})
+        assert fresh != pid
+
+    _with_read_pool(pg_url, scenario)
+
+
+def test_an_idle_async_read_connection_whose_server_side_is_gone_is_replaced(
+    pg_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(db, "PING_IDLE_S", 0.0)  # every returned connection counts as idle
+
+    async def scenario(pool: db.AsyncReadPool) -> None:
+        [(pid,)] = await _PID.arows(pool, {})
+        _kill_backend(pg_url, int(pid))
+        [(fresh,)] = await _PID.arows(pool, {})  # pinged, found dead, replaced: the caller never sees it
+        assert fresh != pid
+
+    _with_read_pool(pg_url, scenario)
+
+
+def test_a_read_that_finds_every_connection_busy_past_the_timeout_is_a_database_error(pg_url: str) -> None:
+    """The pool's size bounds the connections; a read that waits past the timeout fails as an OperationalError
+    (the API's 503) and takes nothing from the holder, whose connection serves the next read."""
+
+    async def scenario(pool: db.AsyncReadPool) -> None:
+        async with pool.connection() as held:
+            with pytest.raises(sa.exc.OperationalError, match="no database connection free"):
+                await _PID.arows(pool, {})
+            pid = held.info.backend_pid
+        [(again,)] = await _PID.arows(pool, {})
+        assert again == pid
+
+    _with_read_pool(pg_url, scenario)
+
+
+def test_a_read_that_fails_closes_its_connection_and_the_next_one_connects_afresh(pg_url: str) -> None:
+    """A connection whose user raised is not handed out again (its state is unknown, e.g. a query cancelled midway)."""
+    bad = db.DriverRead(sa.select(sa.literal_column("1 / (pg_backend_pid() - pg_backend_pid())").label("x")))
+
+    async def scenario(pool: db.AsyncReadPool) -> None:
+        [(pid,)] = await _PID.arows(pool, {})
+        with pytest.raises(sa.exc.DataError):  # division by zero, raised by the server
+            await bad.arows(pool, {})
+        [(fresh,)] = await _PID.arows(pool, {})
+        assert fresh != pid
+
+    _with_read_pool(pg_url, scenario)

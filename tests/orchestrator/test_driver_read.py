@@ -1,8 +1,10 @@
-"""``DriverRead``: a fixed statement run on the pooled DBAPI connection gives the rows SQLAlchemy would give (values
-and Python types, JSON decoded, timestamps timezone-aware), and leaves the connection as it found it."""
+"""``DriverRead``: a fixed statement run on the pooled DBAPI connection (or, on PostgreSQL, on the event loop through
+``AsyncReadPool``) gives the rows SQLAlchemy would give (values and Python types, JSON decoded, timestamps
+timezone-aware), and leaves the connection as it found it."""
 
 from __future__ import annotations
 
+import asyncio
 from datetime import UTC, datetime
 from typing import Any
 
@@ -13,7 +15,7 @@ from hypothesis import strategies as st
 from sqlalchemy.orm import Session, sessionmaker
 
 from orchestrator.store import repo
-from orchestrator.store.db import DriverRead
+from orchestrator.store.db import AsyncReadPool, DriverRead
 from orchestrator.store.models import AnomalyRow, Attempt, Run
 from orchestrator.store.runs import _overview_statement
 from tests.api.conftest import seed_attempt, seed_run
@@ -48,6 +50,21 @@ def _typed(rows: list[Any]) -> list[list[tuple[type, Any]]]:
     return [[(type(v), v) for v in row] for row in rows]
 
 
+def _async_rows(engine: sa.Engine, read: DriverRead, params: dict[str, Any]) -> list[tuple[Any, ...]] | None:
+    """``read.arows`` on a fresh ``AsyncReadPool`` of ``engine``; None where there is no such pool (SQLite)."""
+    pool = AsyncReadPool.for_engine(engine, 1)
+    if pool is None:
+        return None
+
+    async def go() -> list[tuple[Any, ...]]:
+        try:
+            return await read.arows(pool, params)
+        finally:
+            await pool.close()
+
+    return asyncio.run(go())
+
+
 @pytest.mark.parametrize("by_owner", [False, True])
 def test_rows_match_what_sqlalchemy_returns(
     engine: sa.Engine, session_factory: sessionmaker[Session], by_owner: bool
@@ -62,6 +79,10 @@ def test_rows_match_what_sqlalchemy_returns(
     assert len(expected) == 2  # one row per anomaly kind
     assert _typed(got) == _typed(expected)
     assert read.rows(engine, params) == got  # the processors worked out on the first read are reused
+    on_the_loop = _async_rows(engine, DriverRead(stmt), params)
+    assert (on_the_loop is None) == (engine.dialect.name == "sqlite")
+    if on_the_loop is not None:
+        assert _typed(on_the_loop) == _typed(expected)
     assert read.keys == tuple(stmt.selected_columns.keys())
     first = dict(zip(read.keys, got[0], strict=True))
     assert first["attempt_started_at"] == datetime(2026, 12, 3, 11, 0, 0, 123456, tzinfo=UTC)
@@ -143,3 +164,5 @@ def test_any_run_reads_back_as_sqlalchemy_reads_it(
     with session_factory() as s:
         expected = [tuple(r) for r in s.execute(stmt, params).all()]
     assert _typed(DriverRead(stmt).rows(engine, params)) == _typed(expected)
+    on_the_loop = _async_rows(engine, DriverRead(stmt), params)
+    assert on_the_loop is None or _typed(on_the_loop) == _typed(expected)
