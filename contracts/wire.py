@@ -140,6 +140,10 @@ class ProbePlan:
     if_clean: Mapping[str, Any] = field(default_factory=dict)
     """Recipe settings (dotted path → value) the attempt trains with instead of its own when the chosen candidate
     trained its steps cleanly: the warmup this retry added, taken back (``orchestrator/policy/probe.py``)."""
+    replay: Mapping[str, Any] = field(default_factory=dict)
+    """When set, the first candidate replays the ended attempt: its LR, and here its value (dotted path → value) of
+    every setting this retry changes. Chosen cleanly, the attempt trains with all of them: the divergence did not
+    recur from the same point at the same settings, so they were not its cause (``orchestrator/policy/probe.py``)."""
 
     def __post_init__(self) -> None:
         if len(self.candidates) < 2 or any(not (math.isfinite(c) and c > 0) for c in self.candidates):
@@ -151,6 +155,8 @@ class ProbePlan:
         out: dict[str, Any] = {"candidates": list(self.candidates), "steps": self.steps}
         if self.if_clean:
             out["if_clean"] = dict(self.if_clean)
+        if self.replay:
+            out["replay"] = dict(self.replay)
         return out
 
     @classmethod
@@ -161,7 +167,7 @@ class ProbePlan:
         if not probe or probe.get("chosen") is not None:
             return None
         return cls(candidates=tuple(float(c) for c in probe["candidates"]), steps=int(probe["steps"]),
-                   if_clean=dict(probe.get("if_clean") or {}))
+                   if_clean=dict(probe.get("if_clean") or {}), replay=dict(probe.get("replay") or {}))
 
 
 @dataclass(kw_only=True)

@@ -94,8 +94,13 @@ def run_probe(spec: AttemptSpec, plan: ProbePlan, ctx: WorkerContext, resume_dir
     pick, why = choose(runs)
     chosen = runs[pick].lr
     clean = runs[pick].failed is None
+    replayed = clean and pick == 0 and bool(plan.replay)
+    settings = plan.replay if replayed else plan.if_clean
     reason = describe(runs, pick, why, start_step)
-    dropped = _ramps(spec, plan) if clean else ""
+    if replayed:
+        reason += ("; the diverged settings trained cleanly through the step that failed, so the divergence was "
+                   f"not theirs: kept ({_changes(spec, settings)})")
+    dropped = _ramps(spec, plan) if clean and not replayed else ""
     if dropped:
         reason += f"; {dropped} (it trained cleanly from here at a constant LR)"
     event = {
@@ -109,11 +114,11 @@ def run_probe(spec: AttemptSpec, plan: ProbePlan, ctx: WorkerContext, resume_dir
     }
     if not clean:
         return with_lr(spec, chosen), event
-    if plan.if_clean:
-        event["if_clean"] = dict(plan.if_clean)
+    if settings:
+        event["if_clean"] = dict(settings)
     if spec.rewarm_steps:
         event["rewarm_steps"] = 0
-    return replace(with_lr(spec, chosen, plan.if_clean), rewarm_steps=0), event
+    return replace(with_lr(spec, chosen, settings), rewarm_steps=0), event
 
 
 def _ramps(spec: AttemptSpec, plan: ProbePlan) -> str:
@@ -121,7 +126,13 @@ def _ramps(spec: AttemptSpec, plan: ProbePlan) -> str:
     added (``plan.if_clean``). The chosen candidate trained its steps from the attempt's very start point (its
     weights, optimizer state and batches) at the warmed-up LR held constant, with no anomaly: easing that LR in
     buys no stability, and it costs a short run final loss (BENCHMARKS.md, 2026-12-05)."""
-    doc = recipe_to_dict(spec.recipe)
     parts = [f"re-warm {spec.rewarm_steps}→0 steps"] if spec.rewarm_steps else []
-    parts += [f"{path} {get_path(doc, path)}→{value}" for path, value in plan.if_clean.items()]
+    if plan.if_clean:
+        parts.append(_changes(spec, plan.if_clean))
     return ", ".join(parts)
+
+
+def _changes(spec: AttemptSpec, settings: Mapping[str, Any]) -> str:
+    """``settings`` (dotted path → value) as changes from ``spec``'s recipe, in words."""
+    doc = recipe_to_dict(spec.recipe)
+    return ", ".join(f"{path} {get_path(doc, path)}→{value}" for path, value in settings.items())

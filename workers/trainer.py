@@ -476,7 +476,8 @@ class GuardedTrainer:
     def _evidence(self) -> Evidence:
         summary = self.detectors.loss_summary()
         return Evidence(
-            final_loss=final_loss(self.result.losses, self.recipe.success.window),
+            final_loss=final_loss(self.result.losses, self.recipe.success.window, start_step=self.start_step,
+                                  skipped=self.result.skipped_steps),
             best_loss=summary.best, best_step=summary.best_step, initial_loss=summary.initial,
             loss_floor=self.data.loss_floor, trivial_loss=self.data.trivial_loss, noise_std=summary.noise_std,
             vanishing=any(f["kind"] == "vanishing_gradients" for f in self.result.findings),

@@ -47,7 +47,7 @@ make a plateau at the initial level look like progress.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 
 from contracts.recipe import Success
@@ -118,9 +118,16 @@ class Evidence:
     """The eval series, when the attempt measured one (None: the verdict reads the training loss only)."""
 
 
-def final_loss(losses: Sequence[float], window: int) -> float | None:
-    """Mean of the last ``window`` finite losses (None when there is none)."""
-    finite = [x for x in losses if math.isfinite(x)]
+def final_loss(
+    losses: Sequence[float], window: int, *, start_step: int = 0, skipped: Collection[int] = ()
+) -> float | None:
+    """Mean of the last ``window`` finite losses (None when there is none); ``losses[i]`` is step ``start_step + i``.
+
+    The steps in ``skipped`` are left out: their updates were discarded (a batch the grad-norm or loss detector
+    judged abnormal), so their loss is the batch's, not the model's, and one poisoned batch near the end would
+    otherwise make a healthy end look degraded."""
+    skip = set(skipped)
+    finite = [x for i, x in enumerate(losses) if math.isfinite(x) and start_step + i not in skip]
     if not finite:
         return None
     tail = finite[-window:]

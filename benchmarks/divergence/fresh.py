@@ -7,7 +7,8 @@ worker), under ``none`` and ``ballast``, beside its reference (the same model an
 (mean of the last 20 steps of the lineage's curve), steps executed ÷ max_steps and every attempt's changes.
 A scenario that has been looked at is no longer fresh: BENCHMARKS.md says which were used to change what. With no
 NAME the first set runs; ``--set 2026-12-05`` runs the second (``SCENARIOS_2026_12_05``: six unstable recipes, three
-healthy controls), whose names are also accepted one by one.
+healthy controls) and ``--set 2026-12-06`` the third (``SCENARIOS_2026_12_06``, the same shape); their names are
+also accepted one by one.
 """
 
 from __future__ import annotations
@@ -97,6 +98,31 @@ SCENARIOS_2026_12_05: dict[str, tuple[dict[str, Any], float]] = {
     "control-gpt-bf16-d32": (_recipe(_gpt(32), MARKOV, {"name": "adamw", "lr": 0.002}, warmup=15, dtype="bf16"),
                              0.002),
 }
+SCENARIOS_2026_12_06: dict[str, tuple[dict[str, Any], float]] = {
+    # written on 2026-12-06 before running any of them, from families neither half nor the earlier sets hold
+    "gpt-adam-low-beta2": (_recipe(_gpt(64), MARKOV, {"name": "adam", "lr": 0.01, "betas": [0.9, 0.5]}), 0.001),
+    "mlp-adamw-heavy-decay": (_recipe({"name": "deep_mlp", "depth": 4, "width": 64}, {"name": "regression", "dim": 16},
+                                      {"name": "adamw", "lr": 0.05, "weight_decay": 5.0}), 0.002),
+    "rnn-radius1.5-adam": (_recipe({"name": "rnn", "cell": "rnn", "hidden": 64, "recurrent_spectral_radius": 1.5},
+                                   {"name": "sequence", "task": "running_sum", "seq_len": 24, "dim": 4},
+                                   {"name": "adam", "lr": 0.03}, clipping=NO_CLIP), 0.001),
+    "gpt-nan-at-step-3": ({**_recipe(_gpt(48), MARKOV, {"name": "adamw", "lr": 0.003}, warmup=10),
+                           "faults": [{"type": "nan_loss", "step": 3}]}, FAULTS_OFF),
+    "lstm-poisoned-batch-late": ({**_recipe({"name": "rnn", "cell": "lstm", "hidden": 32},
+                                            {"name": "sequence", "task": "running_sum", "seq_len": 16, "dim": 4},
+                                            {"name": "adam", "lr": 0.01}, clipping=NO_CLIP),
+                                  "faults": [{"type": "batch_scale", "step": 138, "factor": 1e3}]}, FAULTS_OFF),
+    "gpt-postln-sgd-nesterov": (_recipe(_gpt(64, norm_position="post", n_layers=3), MARKOV,
+                                        {"name": "sgd", "lr": 2.0, "momentum": 0.95, "nesterov": True},
+                                        clipping=NO_CLIP), 0.2),
+    # healthy controls: the reference is the run itself; ballast should leave them alone (1 attempt)
+    "control-gpt-batch2": ({**_recipe(_gpt(32), MARKOV, {"name": "adamw", "lr": 0.001}, warmup=10),
+                            "training": {"max_steps": 150, "batch_size": 2, "seed": 11}}, 0.001),
+    "control-mlp-sigmoid-shallow": (_recipe({"name": "deep_mlp", "depth": 3, "width": 32, "activation": "sigmoid"},
+                                            {"name": "regression", "dim": 8}, {"name": "adam", "lr": 0.003}), 0.003),
+    "control-linear-adam-cond10": (_recipe({"name": "linear"}, {"name": "regression", "dim": 16, "condition": 10.0},
+                                           {"name": "adam", "lr": 0.01}), 0.01),
+}
 POLICIES = {"none": {"max_retries": 0}, "ballast": {}}
 
 
@@ -136,9 +162,10 @@ def run(doc: dict[str, Any], recovery: dict[str, Any]) -> dict[str, Any]:
 
 def main(names: list[str]) -> None:
     torch.set_num_threads(1)
-    every = {**SCENARIOS, **SCENARIOS_2026_12_05}
-    if names[:2] == ["--set", "2026-12-05"]:
-        names = list(SCENARIOS_2026_12_05) + names[2:]
+    sets = {"2026-12-05": SCENARIOS_2026_12_05, "2026-12-06": SCENARIOS_2026_12_06}
+    every = {**SCENARIOS, **SCENARIOS_2026_12_05, **SCENARIOS_2026_12_06}
+    if names[:1] == ["--set"]:
+        names = list(sets[names[1]]) + names[2:]
     for name in names or list(SCENARIOS):
         doc, ref_lr = every[name]
         safe = {"faults": []} if ref_lr == FAULTS_OFF else {"optimizer": {"lr": ref_lr}}

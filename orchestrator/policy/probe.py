@@ -15,12 +15,17 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from contracts.recipe import Recipe
+from contracts.overrides import get_path
+from contracts.recipe import Recipe, recipe_to_dict
 from contracts.wire import ProbePlan
 from orchestrator.policy.tightening import LR, WARMUP, WARMUP_FRACTION, Change
 
+REPLAYABLE_KINDS = frozenset({"nonfinite", "divergence", "loss_spike", "grad_norm_spike"})
+"""Ends detected at one step, which a replay of the same steps either reproduces or does not (not the verdicts
+judged over a whole run, such as a stall, which a few probe steps cannot show)."""
 
-def probe_plan(eff: Recipe, changes: Sequence[Change]) -> ProbePlan | None:
+
+def probe_plan(eff: Recipe, changes: Sequence[Change], *, replay_through: int | None = None) -> ProbePlan | None:
     """The probe of a retry that makes ``changes`` to ``eff``: none unless one moves the LR. Its candidates: the
     new LR, then each ``spacing`` times the previous, floored at ``min_lr`` (a candidate at the floor is the last).
     None when the probe is off for this run's length or there are fewer than two distinct candidates.
@@ -29,7 +34,16 @@ def probe_plan(eff: Recipe, changes: Sequence[Change]) -> ProbePlan | None:
     takes it back should the chosen candidate train cleanly (``if_clean``): that candidate trained its steps at a
     constant LR from the very start point, so the warmup buys no stability, and it costs a short run's final loss
     (with the re-warm dropped too, the development half's RNN retry ends at 1.04x its reference instead of 1.09x;
-    BENCHMARKS.md, 2026-12-05)."""
+    BENCHMARKS.md, 2026-12-05).
+
+    ``replay_through`` (the caller's, see ``replay_steps``): the ended attempt was stopped that many steps after the
+    retry's start point. When the probe's steps reach past it, the first candidate replays the ended attempt's
+    settings (``ProbePlan.replay``): the same start point, weights, batches and LR, now held constant at its
+    peak, through the step that diverged. A deterministic divergence recurs there and the candidate fails at no
+    cost beyond those steps; one that does not recur (a transient fault: a one-off NaN, a bit flip, a bad node)
+    was not the settings' doing, and the attempt then trains as the ended one did instead of with a cut LR it
+    does not need (a NaN at step 3 of a 150-step run ended 1.42x its reference at the cut LR; BENCHMARKS.md,
+    2026-12-06)."""
     cfg, floor = eff.recovery.lr_probe, eff.recovery.min_lr
     new_lr = next((c.new for c in changes if c.path == LR), None)
     if new_lr is None or not cfg.active(eff.training.max_steps):
@@ -39,12 +53,30 @@ def probe_plan(eff: Recipe, changes: Sequence[Change]) -> ProbePlan | None:
         candidates.append(max(candidates[-1] * cfg.spacing, floor))
     if len(candidates) < 2:
         return None
+    steps = cfg.steps_for(eff.training.max_steps)
+    replay: dict[str, Any] = {}
+    if replay_through is not None and 0 <= replay_through < steps and eff.optimizer.lr > new_lr:
+        doc = recipe_to_dict(eff)
+        replay = {c.path: get_path(doc, c.path) for c in changes}
+        candidates.insert(0, eff.optimizer.lr)
     if_clean: dict[str, Any] = {}
     if eff.schedule.resolved_warmup_steps(eff.training.max_steps) == 0 and any(c.path == WARMUP for c in changes):
         if_clean = {WARMUP: eff.schedule.warmup_steps}
         if any(c.path == WARMUP_FRACTION for c in changes):
             if_clean[WARMUP_FRACTION] = eff.schedule.warmup_fraction
-    return ProbePlan(candidates=tuple(candidates), steps=cfg.steps_for(eff.training.max_steps), if_clean=if_clean)
+    return ProbePlan(candidates=tuple(candidates), steps=steps, if_clean=if_clean, replay=replay)
+
+
+def replay_steps(
+    detector: str | None, stopped_at: int | None, *, resume_step: int, used: int, skip_data_window: bool
+) -> int | None:
+    """How many steps after ``resume_step`` the ended attempt was stopped (at ``stopped_at``, by ``detector``) when
+    a probe may replay it (``probe_plan``'s ``replay_through``); None when it may not: only on the first numeric
+    retry (a replay that was chosen and diverged again leaves the next retry to cut as before), only after an end
+    detected at one step (``REPLAYABLE_KINDS``), and not when the retry skips the data window (the batches differ)."""
+    if used or skip_data_window or detector not in REPLAYABLE_KINDS or stopped_at is None:
+        return None
+    return stopped_at - resume_step
 
 
 def apply_probe_result(
@@ -69,6 +101,8 @@ def apply_probe_result(
     new_overrides = {path: list(change) for path, change in overrides.items()}
     if LR in new_overrides:  # the plan moved the LR (the only case it probes): [original, chosen]
         new_overrides[LR] = [new_overrides[LR][0], float(chosen)]
+        if new_overrides[LR][0] == float(chosen):  # a replay of the recipe's own LR: no override left
+            del new_overrides[LR]
     new_plan = {**plan, "lr_probe": probe}
     if result.get("rewarm_steps") == 0:  # a clean pick: the worker trains without the re-warm
         new_plan["rewarm_steps"] = 0

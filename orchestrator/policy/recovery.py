@@ -30,7 +30,8 @@ with the same settings, the baseline other systems apply):
   checkpoint that had already degraded. (onset: ``onset_step``, else ``final_step``, else ``start_step``). When the
   ended attempt had itself resumed
   (``start_step > 0``, any kind) and diverged within ``early_failure_steps`` of that start, its start point is
-  presumed already on the way to divergence: the checkpoint must be strictly older than ``start_step``. No
+  presumed already on the way to divergence: the checkpoint must be strictly older than ``start_step``. A
+  checkpoint at or past the run's ``max_steps`` is never a target: it would leave the retry nothing to train. No
   qualifying checkpoint → restart from initialisation (``resume_from=None``, ``resume_step=0``).
 - Tighten from the effective settings (recipe + the ended attempt's overrides), the knob the evidence names
   (``tighten_order_for``): ``auto`` lowers the LR first after a loss divergence or a non-finite value whatever the
@@ -94,7 +95,7 @@ from typing import Any
 from contracts.overrides import apply_overrides, get_path
 from contracts.recipe import DType, Recipe, Recovery, RecoveryStrategy, TightenOrder
 from contracts.wire import ProbePlan, one_line
-from orchestrator.policy.probe import probe_plan
+from orchestrator.policy.probe import probe_plan, replay_steps
 from orchestrator.policy.tightening import (
     AGC,
     DTYPE,
@@ -351,9 +352,11 @@ def _crash_restart(
 def _probe_text(probe: ProbePlan, rewarm: int) -> str:
     text = f"lr probe of {', '.join(num(c) for c in probe.candidates)} for {probe.steps} steps each"
     ramps = (["the re-warm"] if rewarm else []) + (["the added warmup"] if probe.if_clean else [])
-    if not ramps:
-        return text
-    return f"{text} ({' and '.join(ramps)} {'go' if len(ramps) > 1 else 'goes'} if the chosen LR trains cleanly)"
+    if ramps:
+        text += f" ({' and '.join(ramps)} {'go' if len(ramps) > 1 else 'goes'} if the chosen LR trains cleanly)"
+    if probe.replay:
+        text += "; the first replays the diverged settings through the step that failed (kept if it trains cleanly)"
+    return text
 
 
 def _resume_newest(
@@ -411,14 +414,16 @@ def _numeric_retry(
     if isinstance(tightened, str):
         return GiveUp(f"{_ended(last, onset)}; nothing left to tighten ({tightened})")
     changes, texts = tightened
-    resume, where = _resume_point(rec, lineage, last, onset)
+    resume, where = _resume_point(rec, lineage, last, onset, eff.training.max_steps)
     resume_step = resume.step if resume is not None else 0
     overrides = _cumulative(recipe, last, changes)
     # a re-warm eases a *changed* step size in; a dtype switch alone keeps the LR and its schedule as they were
     rewarm = 0 if all(c.path == DTYPE for c in changes) else rec.rewarm_steps
     if rewarm:
         texts.append(f"re-warm {rewarm} steps")
-    probe = probe_plan(eff, changes)
+    replay = replay_steps(last.detector, last.final_step, resume_step=resume_step, used=used,
+                          skip_data_window=rec.skip_data_window)
+    probe = probe_plan(eff, changes, replay_through=replay)
     if probe is not None:
         texts.append(_probe_text(probe, rewarm))
     data_offset = last.data_offset
@@ -483,10 +488,10 @@ def fp16_overflow(eff: Recipe, last: AttemptRecord) -> str:
 
 
 def _resume_point(
-    rec: Recovery, lineage: list[CheckpointRecord], last: AttemptRecord, onset: int
+    rec: Recovery, lineage: list[CheckpointRecord], last: AttemptRecord, onset: int, max_steps: int
 ) -> tuple[CheckpointRecord | None, str]:
     """The best healthy lineage checkpoint clear of the onset (see the module docstring), and how to say it."""
-    limit = onset - rec.rollback_margin_steps
+    limit = min(onset - rec.rollback_margin_steps, max_steps - 1)
     early = last.start_step > 0 and onset - last.start_step <= rec.early_failure_steps
     candidates = [
         c for c in lineage

@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 
 from benchmarks.divergence.cases import POLICIES, load_cases
-from benchmarks.divergence.fresh import FAULTS_OFF, SCENARIOS, SCENARIOS_2026_12_05
+from benchmarks.divergence.fresh import FAULTS_OFF, SCENARIOS, SCENARIOS_2026_12_05, SCENARIOS_2026_12_06
 from benchmarks.divergence.metrics import evaluate_targets, final_loss, lineage_curve, loss_onset, steps_executed
 from benchmarks.divergence.run import plan_submissions
 from contracts.recipe import RegressionData, validate_recipe_data
@@ -152,9 +152,12 @@ def test_fresh_scenarios_are_valid_recipes_and_their_references_only_lower_the_l
         assert "recovery" not in doc and not doc["faults"], name  # the policy's defaults; no injected fault
 
 
-def test_the_second_fresh_set_changes_one_thing_for_its_references() -> None:
+@pytest.mark.parametrize("scenarios", [SCENARIOS_2026_12_05, SCENARIOS_2026_12_06], ids=["2026-12-05", "2026-12-06"])
+def test_the_later_fresh_sets_change_one_thing_for_their_references(
+    scenarios: dict[str, tuple[dict[str, Any], float]],
+) -> None:
     """Each reference lowers the LR, or drops the injected fault; a control is its own reference."""
-    for name, (doc, ref_lr) in SCENARIOS_2026_12_05.items():
+    for name, (doc, ref_lr) in scenarios.items():
         recipe = validate_recipe_data({**doc, "recovery": {}})
         assert "recovery" not in doc, name  # the policy's defaults
         if ref_lr == FAULTS_OFF:

@@ -10,7 +10,7 @@ import pytest
 
 from contracts.recipe import ProbeMode, RecipeError, load_recipe
 from contracts.wire import AttemptSpec, ProbePlan
-from orchestrator.policy.probe import apply_probe_result, probe_plan
+from orchestrator.policy.probe import apply_probe_result, probe_plan, replay_steps
 from orchestrator.policy.recovery import AttemptRecord, RecoveryPlan, decide
 from orchestrator.policy.tightening import LR, MAX_NORM, WARMUP, WARMUP_FRACTION, Change
 from tests.recipes import build_recipe
@@ -113,6 +113,66 @@ def test_a_retry_that_cuts_the_lr_probes_from_the_cut_lr_and_says_so() -> None:
     assert p.lr_probe is not None and p.lr_probe.candidates == pytest.approx((5e-3, 1.25e-3, 3.125e-4))
     assert p.plan_json()["lr_probe"] == {"candidates": list(p.lr_probe.candidates), "steps": 100}
     assert "lr probe of 0.005, 0.00125, 0.0003125 for 100 steps each (the re-warm goes" in p.reason
+
+
+@pytest.mark.parametrize(
+    ("detector", "onset", "final_step", "replayed"),
+    [
+        ("nonfinite", 3, 3, True),        # stopped 3 steps in: a 10-step probe replays through that step
+        ("divergence", 2, 9, True),       # the last step the probe reaches
+        ("divergence", 2, 10, False),     # one past it: a clean replay would not show the divergence was not theirs
+        ("loss_spike", 5, 6, True),
+        ("grad_norm_spike", 5, 6, True),  # early, during the warmup: the peak is lowered too, so it probes
+        ("stalled", 0, 5, False),         # a verdict over the whole run: a few steps cannot replay it
+        ("never_learned", 0, 5, False),
+    ],
+)
+def test_a_first_retry_replays_the_diverged_settings_when_the_probe_reaches_the_failed_step(
+    detector: str, onset: int, final_step: int, replayed: bool
+) -> None:
+    r = recipe(training={"max_steps": 150}, optimizer={"lr": 3e-3}, schedule={"warmup_steps": 10})
+    history = [AttemptRecord(number=1, kind="initial", outcome="diverged", start_step=0, onset_step=onset,
+                             final_step=final_step, detector=detector)]
+    p = decide(r, history, [])
+    assert isinstance(p, RecoveryPlan)
+    probe = p.lr_probe
+    if not replayed:
+        assert probe is None or (not probe.replay and probe.candidates[0] < 3e-3)
+        return
+    assert probe is not None and probe.steps == 10
+    assert probe.candidates[0] == 3e-3 and probe.candidates[1] == p.overrides[LR][1]  # the replay, then the cuts
+    assert probe.replay == {path: r.model_dump()[path.split(".")[0]][path.split(".")[1]] for path in p.overrides}
+    assert probe.replay[LR] == 3e-3 and probe.replay[WARMUP] == 10  # the warmup the retry lengthened, as it was
+    assert p.plan_json()["lr_probe"]["replay"] == probe.replay
+    assert ProbePlan.from_plan(p.plan_json()) == probe
+    assert "the first replays the diverged settings through the step that failed" in p.reason
+
+
+@pytest.mark.parametrize(
+    ("kw", "expected"),
+    [
+        ({}, 3),
+        ({"used": 1}, None),               # a replay was already offered (and, if chosen, diverged again)
+        ({"skip_data_window": True}, None),  # the retry's batches differ: no replay
+        ({"detector": "oscillation"}, None),
+        ({"stopped_at": None}, None),
+        ({"resume_step": 2}, 1),
+    ],
+)
+def test_replay_steps(kw: dict[str, Any], expected: int | None) -> None:
+    args: dict[str, Any] = {"detector": "nonfinite", "stopped_at": 3, "resume_step": 0, "used": 0,
+                            "skip_data_window": False, **kw}
+    assert replay_steps(args.pop("detector"), args.pop("stopped_at"), **args) == expected
+
+
+def test_a_chosen_replay_takes_every_change_of_the_retry_back() -> None:
+    """The worker kept the replayed settings: the attempt's overrides say it trains as the ended attempt did."""
+    overrides = {"optimizer.lr": [3e-3, 7.5e-4], WARMUP: [10, 20]}
+    result = {**RESULT, "chosen": 3e-3, "rewarm_steps": 0, "if_clean": {"optimizer.lr": 3e-3, WARMUP: 10}}
+    applied = apply_probe_result(overrides, PLAN, "r", result)
+    assert applied is not None
+    new_overrides, new_plan, _ = applied
+    assert new_overrides == {} and new_plan["rewarm_steps"] == 0 and new_plan["lr_probe"]["chosen"] == 3e-3
 
 
 def test_a_clip_only_retry_does_not_probe() -> None:

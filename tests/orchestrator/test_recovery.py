@@ -90,6 +90,16 @@ def test_diverged_resumes_from_newest_healthy_checkpoint_before_onset_minus_marg
     assert p.plan_json()["resume_uri"] == f"file:///ck/1/{expected_step}"
 
 
+def test_a_checkpoint_at_max_steps_is_never_the_rollback_target() -> None:
+    """An end verdict (``degraded``) can put the onset at the last step; the checkpoint saved there holds the
+    finished run, and resuming from it would leave the retry nothing to train."""
+    r = recipe(training={"max_steps": 150}, recovery={"rollback_margin_steps": 0})
+    ended = AttemptRecord(number=1, kind="initial", outcome="diverged", start_step=0, onset_step=150,
+                          final_step=150, detector="degraded")
+    p = plan(r, [ended], cps(1, [25, 50, 75, 100, 125, 150]))
+    assert p.resume_from is not None and p.resume_step == 125
+
+
 def test_diverged_skips_unhealthy_and_invalid_checkpoints() -> None:
     checkpoints = [
         CheckpointRecord(1, 1, 600, "u600", healthy=True),
@@ -500,8 +510,9 @@ def test_a_crash_before_the_retrys_first_checkpoint_runs_that_retry_again_probe_
     assert (p.rewarm_steps, p.lr_probe, p.overrides) == (20, retry.lr_probe, retry.overrides)
     assert p.reason == (
         "attempt 2 crashed (worker died); resumed from step 800 with unchanged settings; it crashed before its "
-        "first checkpoint, so again re-warm 20 steps and lr probe of 0.0015, 0.000375, 9.375e-05 for 100 steps each "
-        "(the re-warm goes if the chosen LR trains cleanly)"
+        "first checkpoint, so again re-warm 20 steps and lr probe of 0.003, 0.0015, 0.000375, 9.375e-05 for 100 "
+        "steps each (the re-warm goes if the chosen LR trains cleanly); the first replays the diverged settings "
+        "through the step that failed (kept if it trains cleanly)"
     )
     # the probe had chosen (its LR is in the overrides) before the crash: the re-warm again, no second probe
     chosen = plan(r, history, EVERY_100)

@@ -427,6 +427,19 @@ def test_a_healthy_run_passes_the_verdict(tmp_path: Path) -> None:
     assert "healthy" in res.reason
 
 
+def test_a_poisoned_batch_among_the_last_steps_that_was_skipped_leaves_the_end_healthy(tmp_path: Path) -> None:
+    """The batch's loss is multiplied 1000x at step 112 of 120: the grad-norm detector skips its update, so the model
+    is untouched, and the verdict's final loss (the mean of the last 20 steps) leaves that step out instead of calling
+    the end degraded."""
+    recipe = make_recipe(training={"max_steps": 120}, success=DEFAULT_SUCCESS,
+                         faults=[{"type": "batch_scale", "step": 112, "factor": 1e3}])
+    res = run(recipe, tmp_path)
+    assert res.skipped_steps == [112]
+    assert res.losses[112] > 100 * res.losses[111]
+    assert res.outcome == "succeeded", res.reason
+    assert "healthy" in res.reason
+
+
 def test_vanishing_gradients_end_as_vanishing_not_succeeded(tmp_path: Path) -> None:
     """A deep sigmoid MLP whose gradients vanish with depth: the detector's diagnosis has a consequence."""
     recipe = Recipe.model_validate({

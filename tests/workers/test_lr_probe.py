@@ -132,6 +132,40 @@ def test_when_every_candidate_fails_the_ramps_stay(tmp_path: Path) -> None:
     assert first["lr"] == pytest.approx(2.0 / 10 / 8)  # the warmup's first step, re-warmed: both ramps kept
 
 
+def test_a_replay_that_trains_cleanly_keeps_the_diverged_settings(tmp_path: Path) -> None:
+    """The ended attempt's settings (lr 0.0625 behind a 10-step warmup) replayed from initialisation at their peak
+    train cleanly: the attempt drops the retry's changes (the cut LR, the longer warmup, the re-warm) and trains
+    exactly as an attempt with the original settings does."""
+    original = build_recipe(EXPLODING_RNN, optimizer={"lr": 0.0625}, schedule={"warmup_steps": 10})
+    retry = build_recipe(EXPLODING_RNN, optimizer={"lr": 0.015625}, schedule={"warmup_steps": 20})
+    spec = AttemptSpec(recipe=retry, checkpoint_dir=str(tmp_path / "probed"), attempt=2, rewarm_steps=8,
+                       lr_probe=ProbePlan(candidates=(0.0625, 0.015625), steps=8,
+                                          replay={"optimizer.lr": 0.0625, WARMUP: 10}))
+    sink = ListSink()
+    probed = run_attempt(spec, sink)
+    [event] = sink.of_type("lr_probe")
+    assert [c["failed"] for c in event["candidates"]] == [None, None] and event["chosen"] == 0.0625
+    assert event["if_clean"] == {"optimizer.lr": 0.0625, WARMUP: 10} and event["rewarm_steps"] == 0
+    assert f"kept (optimizer.lr 0.015625→0.0625, {WARMUP} 20→10)" in event["reason"]
+    plain = run_attempt(AttemptSpec(recipe=original, checkpoint_dir=str(tmp_path / "plain"), attempt=2))
+    assert probed.losses == plain.losses and len(plain.losses) == 40
+
+
+def test_a_replay_that_diverges_again_is_rejected_and_the_retrys_changes_stay(tmp_path: Path) -> None:
+    """lr 1.0 blows the RNN up within the probe's steps, as it did in the ended attempt: a cut LR is chosen and the
+    retry's other change (its warmup) is not taken back."""
+    retry = build_recipe(EXPLODING_RNN, optimizer={"lr": 0.25}, schedule={"warmup_steps": 10})
+    spec = AttemptSpec(recipe=retry, checkpoint_dir=str(tmp_path / "probed"), attempt=2,
+                       lr_probe=ProbePlan(candidates=(1.0, 0.25, 0.0625), steps=8,
+                                          replay={"optimizer.lr": 1.0, WARMUP: 0}))
+    sink = ListSink()
+    run_attempt(spec, sink)
+    [event] = sink.of_type("lr_probe")
+    assert event["candidates"][0]["failed"] and event["chosen"] < 1.0
+    assert "if_clean" not in event and "kept" not in event["reason"]
+    assert sink.of_type("metric")[0]["lr"] == pytest.approx(event["chosen"] / 10)  # the retry's warmup stayed
+
+
 def test_a_stop_request_ends_the_probe_and_the_attempt(tmp_path: Path) -> None:
     """A cancel during the probe is not held up by the remaining candidates: the candidate that sees it stops,
     no other is tried, and the attempt ends cancelled at its first step."""

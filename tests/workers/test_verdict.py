@@ -237,6 +237,15 @@ def test_final_loss_is_the_mean_of_the_last_finite_losses() -> None:
     assert final_loss([float("inf")], 5) is None
 
 
+def test_final_loss_leaves_out_the_steps_whose_update_was_skipped() -> None:
+    """A skipped step's loss is its (abnormal) batch's, not the model's: a poisoned batch among the last steps does
+    not make the end look degraded. ``losses[i]`` is step ``start_step + i``."""
+    tail = [0.04, 0.05, 1.56, 0.04, 0.05]  # step 102: a poisoned batch whose update was thrown away
+    assert final_loss(tail, 3, start_step=100) == pytest.approx((1.56 + 0.04 + 0.05) / 3)
+    assert final_loss(tail, 3, start_step=100, skipped=[102]) == pytest.approx((0.05 + 0.04 + 0.05) / 3)
+    assert final_loss([1.0, 2.0], 2, start_step=7, skipped=[7, 8]) is None
+
+
 def test_zero_turns_the_progress_rules_off() -> None:
     off = Success(min_progress=0.0, early_min_progress=0.0)
     assert judge_end(off, ev(4.7, best=4.2)).kind == DEGRADED  # regression is still judged
