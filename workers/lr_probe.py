@@ -91,6 +91,8 @@ def run_probe(spec: AttemptSpec, plan: ProbePlan, ctx: WorkerContext, resume_dir
         del trainer
         if failed == STOPPED:
             break
+        if plan.replay and len(runs) == 1 and failed is None:
+            break  # the replay trained cleanly: the settings were not the cause, and they are the user's to tune
     pick, why = choose(runs)
     chosen = runs[pick].lr
     clean = runs[pick].failed is None

@@ -43,7 +43,7 @@ def probe_plan(eff: Recipe, changes: Sequence[Change], *, replay_through: int | 
     cost beyond those steps; one that does not recur (a transient fault: a one-off NaN, a bit flip, a bad node)
     was not the settings' doing, and the attempt then trains as the ended one did instead of with a cut LR it
     does not need (a NaN at step 3 of a 150-step run ended 1.42x its reference at the cut LR; BENCHMARKS.md,
-    2026-12-06)."""
+    2026-12-06). A clean replay ends the probe: the other candidates would only tune an LR that was not at fault."""
     cfg, floor = eff.recovery.lr_probe, eff.recovery.min_lr
     new_lr = next((c.new for c in changes if c.path == LR), None)
     if new_lr is None or not cfg.active(eff.training.max_steps):

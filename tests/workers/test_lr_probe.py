@@ -134,8 +134,8 @@ def test_when_every_candidate_fails_the_ramps_stay(tmp_path: Path) -> None:
 
 def test_a_replay_that_trains_cleanly_keeps_the_diverged_settings(tmp_path: Path) -> None:
     """The ended attempt's settings (lr 0.0625 behind a 10-step warmup) replayed from initialisation at their peak
-    train cleanly: the attempt drops the retry's changes (the cut LR, the longer warmup, the re-warm) and trains
-    exactly as an attempt with the original settings does."""
+    train cleanly: the probe stops there, and the attempt drops the retry's changes (the cut LR, the longer warmup,
+    the re-warm) and trains exactly as an attempt with the original settings does."""
     original = build_recipe(EXPLODING_RNN, optimizer={"lr": 0.0625}, schedule={"warmup_steps": 10})
     retry = build_recipe(EXPLODING_RNN, optimizer={"lr": 0.015625}, schedule={"warmup_steps": 20})
     spec = AttemptSpec(recipe=retry, checkpoint_dir=str(tmp_path / "probed"), attempt=2, rewarm_steps=8,
@@ -144,7 +144,8 @@ def test_a_replay_that_trains_cleanly_keeps_the_diverged_settings(tmp_path: Path
     sink = ListSink()
     probed = run_attempt(spec, sink)
     [event] = sink.of_type("lr_probe")
-    assert [c["failed"] for c in event["candidates"]] == [None, None] and event["chosen"] == 0.0625
+    assert [(c["lr"], c["failed"]) for c in event["candidates"]] == [(0.0625, None)]  # clean: the probe ends there
+    assert event["chosen"] == 0.0625 and event["steps_run"] == 8
     assert event["if_clean"] == {"optimizer.lr": 0.0625, WARMUP: 10} and event["rewarm_steps"] == 0
     assert f"kept (optimizer.lr 0.015625→0.0625, {WARMUP} 20→10)" in event["reason"]
     plain = run_attempt(AttemptSpec(recipe=original, checkpoint_dir=str(tmp_path / "plain"), attempt=2))
