@@ -20,9 +20,12 @@ from contracts.recipe import Recipe, recipe_to_dict
 from contracts.wire import ProbePlan
 from orchestrator.policy.tightening import LR, WARMUP, WARMUP_FRACTION, Change
 
-REPLAYABLE_KINDS = frozenset({"nonfinite", "divergence", "loss_spike", "grad_norm_spike"})
-"""Ends detected at one step, which a replay of the same steps either reproduces or does not (not the verdicts
-judged over a whole run, such as a stall, which a few probe steps cannot show)."""
+REPLAYABLE_KINDS = frozenset({"nonfinite", "loss_spike", "grad_norm_spike"})
+"""Ends that one step's numbers made, as a transient makes them: a non-finite value, a loss or gradient far outside
+its recent spread. Not ``divergence`` (the loss's level rose above the untrained model's, the initial loss or a
+multiple of its best: a trend, which a replay of the same settings reproduces, so replaying it only costs steps;
+every early retry of the benchmark's development half is one, and the replay took ``dev-lsq-sgd-beyond-limit``
+from 1.25x to 1.31x of its steps), nor the verdicts judged over a whole run, such as a stall."""
 
 
 def probe_plan(eff: Recipe, changes: Sequence[Change], *, replay_through: int | None = None) -> ProbePlan | None:

@@ -119,9 +119,10 @@ def test_a_retry_that_cuts_the_lr_probes_from_the_cut_lr_and_says_so() -> None:
     ("detector", "onset", "final_step", "replayed"),
     [
         ("nonfinite", 3, 3, True),        # stopped 3 steps in: a 10-step probe replays through that step
-        ("divergence", 2, 9, True),       # the last step the probe reaches
-        ("divergence", 2, 10, False),     # one past it: a clean replay would not show the divergence was not theirs
+        ("nonfinite", 2, 9, True),        # the last step the probe reaches
+        ("nonfinite", 2, 10, False),      # one past it: a clean replay would not show the divergence was not theirs
         ("loss_spike", 5, 6, True),
+        ("divergence", 2, 3, False),      # the loss's level rose: a trend that a replay reproduces
         ("grad_norm_spike", 5, 6, True),  # early, during the warmup: the peak is lowered too, so it probes
         ("stalled", 0, 5, False),         # a verdict over the whole run: a few steps cannot replay it
         ("never_learned", 0, 5, False),
@@ -155,6 +156,7 @@ def test_a_first_retry_replays_the_diverged_settings_when_the_probe_reaches_the_
         ({"used": 1}, None),               # a replay was already offered (and, if chosen, diverged again)
         ({"skip_data_window": True}, None),  # the retry's batches differ: no replay
         ({"detector": "oscillation"}, None),
+        ({"detector": "divergence"}, None),
         ({"stopped_at": None}, None),
         ({"resume_step": 2}, 1),
     ],

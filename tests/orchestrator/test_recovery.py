@@ -510,9 +510,8 @@ def test_a_crash_before_the_retrys_first_checkpoint_runs_that_retry_again_probe_
     assert (p.rewarm_steps, p.lr_probe, p.overrides) == (20, retry.lr_probe, retry.overrides)
     assert p.reason == (
         "attempt 2 crashed (worker died); resumed from step 800 with unchanged settings; it crashed before its "
-        "first checkpoint, so again re-warm 20 steps and lr probe of 0.003, 0.0015, 0.000375, 9.375e-05 for 100 "
-        "steps each (the re-warm goes if the chosen LR trains cleanly); the first replays the diverged settings "
-        "through the step that failed (kept if it trains cleanly)"
+        "first checkpoint, so again re-warm 20 steps and lr probe of 0.0015, 0.000375, 9.375e-05 for 100 steps each "
+        "(the re-warm goes if the chosen LR trains cleanly)"
     )
     # the probe had chosen (its LR is in the overrides) before the crash: the re-warm again, no second probe
     chosen = plan(r, history, EVERY_100)
