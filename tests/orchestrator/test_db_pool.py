@@ -5,13 +5,13 @@ connects afresh."""
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import Awaitable, Callable, Iterator
 
 import pytest
 import sqlalchemy as sa
 
 import orchestrator.store.db as db
+from tests.aio import run_coroutine
 from tests.conftest import create_pg_database, drop_pg_database
 
 pytestmark = pytest.mark.postgres
@@ -110,7 +110,7 @@ def _with_read_pool(url: str, scenario: Callable[[db.AsyncReadPool], Awaitable[N
         finally:
             await pool.close()
 
-    asyncio.run(go())
+    run_coroutine(go)
     engine.dispose()
 
 

@@ -4,7 +4,6 @@ timezone-aware), and leaves the connection as it found it."""
 
 from __future__ import annotations
 
-import asyncio
 from datetime import UTC, datetime
 from typing import Any
 
@@ -18,6 +17,7 @@ from orchestrator.store import repo
 from orchestrator.store.db import AsyncReadPool, DriverRead
 from orchestrator.store.models import AnomalyRow, Attempt, Run
 from orchestrator.store.runs import _overview_statement
+from tests.aio import run_coroutine
 from tests.api.conftest import seed_attempt, seed_run
 
 
@@ -62,7 +62,7 @@ def _async_rows(engine: sa.Engine, read: DriverRead, params: dict[str, Any]) -> 
         finally:
             await pool.close()
 
-    return asyncio.run(go())
+    return run_coroutine(go)
 
 
 @pytest.mark.parametrize("by_owner", [False, True])

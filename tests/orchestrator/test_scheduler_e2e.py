@@ -122,14 +122,18 @@ def test_a_diverging_run_rolls_back_to_a_healthy_checkpoint_and_succeeds(
     first, second = attempts_of(factory, run_id)
     assert (first.state, first.onset_step) == ("diverged", fault.step)
     assert (second.kind, second.state, second.resume_step) == ("numeric_retry", "succeeded", resume)
-    assert second.overrides == {"optimizer.lr": [lr, lr * recipe.recovery.lr_factor]}  # halved
-    assert second.plan["in_place"] is True and second.plan["lr_probe"]["chosen"] == lr * recipe.recovery.lr_factor
-    # the plan's re-warm was dropped: the probe's pick (the cut LR) trained cleanly from the checkpoint
+    # the plan halved the LR, and its probe first replayed the diverged settings from the checkpoint through the
+    # NaN's step: the fault fires only in attempt 1, so the replay trained cleanly and the settings were kept
+    assert second.overrides == {}
+    assert second.plan["in_place"] is True and second.plan["lr_probe"]["chosen"] == lr
+    assert [c["lr"] for c in second.plan["lr_probe"]["candidates_run"]] == [lr]  # a clean replay ends the probe
+    assert second.plan["lr_probe"]["candidates"][:2] == [lr, lr * recipe.recovery.lr_factor]
     rewarm = recipe.recovery.rewarm_steps
     assert rewarm > 0 and second.plan["rewarm_steps"] == 0
     assert second.reason is not None and f"attempt 1 diverged (onset at step {fault.step}" in second.reason
-    assert f"re-warm {rewarm} steps" in second.reason and f"re-warm {rewarm}→0 steps" in second.reason
     assert f"resumed from step {resume}" in second.reason and "lr 0.003→0.0015" in second.reason
+    assert "the first replays the diverged settings" in second.reason
+    assert "kept (optimizer.lr 0.0015→0.003" in second.reason
     with transaction(factory) as s:
         parent = s.get(CheckpointRow, second.parent_checkpoint_id)
         assert parent is not None and (parent.attempt_id, parent.step, parent.healthy) == (first.id, resume, True)
