@@ -255,9 +255,11 @@ class CheckpointRead(_Read):
 
 
 # -------------------------------------------------------------------------------------------------- metrics
-MetricName = Literal["loss", "grad_norm", "grad_norm_clipped", "lr", "loss_scale", "throughput", "eval_loss"]
+MetricName = Literal["loss", "grad_norm", "grad_norm_clipped", "lr", "loss_scale", "throughput", "eval_loss",
+                     "skipped"]
 """``eval_loss`` (with ``training.eval_interval``) is sparse, and its steps count completed steps (the weights after
-that many updates, like a checkpoint's step) where the others' are the 0-based index of the step."""
+that many updates, like a checkpoint's step) where the others' are the 0-based index of the step. ``skipped`` is
+sparse too: the steps whose update was discarded, each with the value 1."""
 
 
 class MetricSeries(BaseModel):

@@ -144,12 +144,21 @@ class ProbePlan:
     """When set, the first candidate replays the ended attempt: its LR, and here its value (dotted path → value) of
     every setting this retry changes. Chosen cleanly, the attempt trains with all of them: the divergence did not
     recur from the same point at the same settings, so they were not its cause (``orchestrator/policy/probe.py``)."""
+    replay_steps: int = 0
+    """With ``replay``: the steps the replay trains, through the step that failed (it may need more than ``steps``,
+    and fewer would not show the divergence was not the settings')."""
 
     def __post_init__(self) -> None:
         if len(self.candidates) < 2 or any(not (math.isfinite(c) and c > 0) for c in self.candidates):
             raise ValueError(f"ProbePlan.candidates: two or more positive LRs, got {self.candidates!r}")
         if self.steps < 1:
             raise ValueError(f"ProbePlan.steps: must be >= 1, got {self.steps}")
+        if self.replay and self.replay_steps < 1:
+            raise ValueError(f"ProbePlan.replay_steps: must be >= 1 with a replay, got {self.replay_steps}")
+
+    def steps_of(self, index: int) -> int:
+        """Steps the ``index``-th candidate trains: the replay's own count for the first of a replaying plan."""
+        return self.replay_steps if self.replay and index == 0 else self.steps
 
     def to_dict(self) -> dict[str, Any]:
         out: dict[str, Any] = {"candidates": list(self.candidates), "steps": self.steps}
@@ -157,6 +166,7 @@ class ProbePlan:
             out["if_clean"] = dict(self.if_clean)
         if self.replay:
             out["replay"] = dict(self.replay)
+            out["replay_steps"] = self.replay_steps
         return out
 
     @classmethod
@@ -166,8 +176,10 @@ class ProbePlan:
         probe = (plan or {}).get("lr_probe")
         if not probe or probe.get("chosen") is not None:
             return None
+        replay = dict(probe.get("replay") or {})
         return cls(candidates=tuple(float(c) for c in probe["candidates"]), steps=int(probe["steps"]),
-                   if_clean=dict(probe.get("if_clean") or {}), replay=dict(probe.get("replay") or {}))
+                   if_clean=dict(probe.get("if_clean") or {}), replay=replay,
+                   replay_steps=int(probe.get("replay_steps") or (probe["steps"] if replay else 0)))
 
 
 @dataclass(kw_only=True)

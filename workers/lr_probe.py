@@ -83,10 +83,10 @@ def run_probe(spec: AttemptSpec, plan: ProbePlan, ctx: WorkerContext, resume_dir
     runs: list[CandidateRun] = []
     start_step = 0
     quiet = None if sink is None else StopOnlySink(sink)
-    for lr in plan.candidates:
+    for i, lr in enumerate(plan.candidates):
         trainer = GuardedTrainer(with_lr(spec, lr), ctx, sink=quiet, resume_dir=resume_dir)
         start_step = trainer.start_step
-        losses, failed = trainer.probe(plan.steps)
+        losses, failed = trainer.probe(plan.steps_of(i))
         runs.append(CandidateRun(lr=lr, losses=tuple(losses), failed=failed))
         del trainer
         if failed == STOPPED:

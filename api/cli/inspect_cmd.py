@@ -56,8 +56,9 @@ def metrics(
     run_id: RunArg,
     series: Annotated[
         list[str] | None,
-        typer.Option("--series", help="loss, grad_norm, grad_norm_clipped, lr, loss_scale, throughput or "
-                     "eval_loss (held-out; its steps count completed steps) (repeatable).", show_default="loss"),
+        typer.Option("--series", help="loss, grad_norm, grad_norm_clipped, lr, loss_scale, throughput, "
+                     "eval_loss (held-out; its steps count completed steps) or skipped (the steps whose update was "
+                     "discarded) (repeatable).", show_default="loss"),
     ] = None,
     max_points: Annotated[
         int | None,

@@ -24,7 +24,8 @@ router = APIRouter(tags=["metrics"])
     "are in range, they are split into `max_points / 2` buckets and each keeps its minimum and maximum (a NaN "
     "or infinity counts as the extreme), so a one-step spike survives downsampling. `eval_loss` (recipes with "
     "`training.eval_interval`) is the held-out loss: sparse, and its steps count completed steps (the weights after "
-    "that many updates, like a checkpoint's step).",
+    "that many updates, like a checkpoint's step). `skipped` is sparse too: the steps whose update was discarded (a "
+    "guard's `skip_step`, an fp16 overflow), each with the value 1; their loss is the batch's, not the model's.",
     responses=problem_responses(401, 403, 404, 422),
 )
 def get_metrics(

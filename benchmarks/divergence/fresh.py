@@ -7,8 +7,8 @@ worker), under ``none`` and ``ballast``, beside its reference (the same model an
 (mean of the last 20 steps of the lineage's curve), steps executed ÷ max_steps and every attempt's changes.
 A scenario that has been looked at is no longer fresh: BENCHMARKS.md says which were used to change what. With no
 NAME the first set runs; ``--set 2026-12-05`` runs the second (``SCENARIOS_2026_12_05``: six unstable recipes, three
-healthy controls) and ``--set 2026-12-06`` the third (``SCENARIOS_2026_12_06``, the same shape); their names are
-also accepted one by one.
+healthy controls), ``--set 2026-12-06`` the third and ``--set 2026-12-06b`` the fourth (``SCENARIOS_2026_12_06`` and
+``SCENARIOS_2026_12_06B``, the same shape); their names are also accepted one by one.
 """
 
 from __future__ import annotations
@@ -123,6 +123,31 @@ SCENARIOS_2026_12_06: dict[str, tuple[dict[str, Any], float]] = {
     "control-linear-adam-cond10": (_recipe({"name": "linear"}, {"name": "regression", "dim": 16, "condition": 10.0},
                                            {"name": "adam", "lr": 0.01}), 0.01),
 }
+SCENARIOS_2026_12_06B: dict[str, tuple[dict[str, Any], float]] = {
+    # written on 2026-12-06 (a second set that day) before running any of them: a peak reached late, a late
+    # transient, a burst of faults, gated recurrences, heavy-ball momentum, bf16 SGD
+    "gpt-late-warmup-peak": (_recipe(_gpt(64), MARKOV, {"name": "adamw", "lr": 0.05}, warmup=60), 0.003),
+    "gpt-nan-late": ({**_recipe(_gpt(48), MARKOV, {"name": "adamw", "lr": 0.003}, warmup=10),
+                      "faults": [{"type": "nan_loss", "step": 110}]}, FAULTS_OFF),
+    "mlp-grad-burst": ({**_recipe({"name": "deep_mlp", "depth": 4, "width": 64}, {"name": "regression", "dim": 16},
+                                  {"name": "adam", "lr": 0.003}, clipping=NO_CLIP),
+                        "faults": [{"type": "grad_scale", "step": s, "factor": 1e3} for s in (40, 41, 42)]},
+                       FAULTS_OFF),
+    "gru-copy-adam-high": (_recipe({"name": "rnn", "cell": "gru", "hidden": 32},
+                                   {"name": "sequence", "task": "copy", "seq_len": 16, "dim": 4},
+                                   {"name": "adam", "lr": 0.1}, clipping=NO_CLIP), 0.003),
+    "linear-heavy-ball-cond100": (_recipe({"name": "linear"}, {"name": "regression", "dim": 32, "condition": 100.0},
+                                          {"name": "sgd", "lr": 0.2, "momentum": 0.9}, clipping=NO_CLIP), 0.01),
+    "gpt-bf16-sgd": (_recipe(_gpt(32), MARKOV, {"name": "sgd", "lr": 5.0}, clipping=NO_CLIP, dtype="bf16"), 0.5),
+    # healthy controls: the reference is the run itself; ballast should leave them alone (1 attempt)
+    "control-gpt-4layer-warmup": (_recipe(_gpt(64, n_layers=4), MARKOV, {"name": "adamw", "lr": 0.001}, warmup=20),
+                                  0.001),
+    "control-lstm-copy-adam": (_recipe({"name": "rnn", "cell": "lstm", "hidden": 32},
+                                       {"name": "sequence", "task": "copy", "seq_len": 16, "dim": 4},
+                                       {"name": "adam", "lr": 0.003}), 0.003),
+    "control-mlp-tanh-sgd": (_recipe({"name": "deep_mlp", "depth": 4, "width": 64, "activation": "tanh"},
+                                     {"name": "regression", "dim": 16}, {"name": "sgd", "lr": 0.05}), 0.05),
+}
 POLICIES = {"none": {"max_retries": 0}, "ballast": {}}
 
 
@@ -139,15 +164,17 @@ def run(doc: dict[str, Any], recovery: dict[str, Any]) -> dict[str, Any]:
         out = LocalRun(recipe, Path(root), run_in_process, make_sink=make_sink).run()
     # the metric events as the REST series the benchmark measures (a non-finite loss is absent, as there), so
     # both measure with one definition
-    data: dict[str, Any] = {"series": {name: {"attempts": [], "steps": [], "values": []} for name in ("loss", "lr")},
+    data: dict[str, Any] = {"series": {name: {"attempts": [], "steps": [], "values": []}
+                                       for name in ("loss", "lr", "skipped")},
                             "attempts": [{"plan": {"lr_probe": a.lr_probe}} for a in out.attempts]}
     for attempt, sink in enumerate(sinks, start=1):
         for m in sink.of_type("metric"):
             for name, col in data["series"].items():
-                if m[name] is not None:
+                value = (1.0 if m.get("skipped") else None) if name == "skipped" else m[name]
+                if value is not None:
                     col["attempts"].append(attempt)
                     col["steps"].append(m["step"])
-                    col["values"].append(m[name])
+                    col["values"].append(value)
     n = recipe.training.max_steps
     final, complete = final_loss(data, n)
     return {
@@ -162,8 +189,9 @@ def run(doc: dict[str, Any], recovery: dict[str, Any]) -> dict[str, Any]:
 
 def main(names: list[str]) -> None:
     torch.set_num_threads(1)
-    sets = {"2026-12-05": SCENARIOS_2026_12_05, "2026-12-06": SCENARIOS_2026_12_06}
-    every = {**SCENARIOS, **SCENARIOS_2026_12_05, **SCENARIOS_2026_12_06}
+    sets = {"2026-12-05": SCENARIOS_2026_12_05, "2026-12-06": SCENARIOS_2026_12_06,
+            "2026-12-06b": SCENARIOS_2026_12_06B}
+    every = {**SCENARIOS, **SCENARIOS_2026_12_05, **SCENARIOS_2026_12_06, **SCENARIOS_2026_12_06B}
     if names[:1] == ["--set"]:
         names = list(sets[names[1]]) + names[2:]
     for name in names or list(SCENARIOS):

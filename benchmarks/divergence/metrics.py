@@ -6,9 +6,12 @@ Definitions (the README repeats them):
   the curve the returned model actually followed (a rolled-back branch is replaced by its retry). A step that ran
   (it has an ``lr`` point) but has no loss point had a non-finite loss and counts as +inf.
 - **final loss**: the mean of the lineage curve over the last ``FINAL_WINDOW`` (20) steps before ``max_steps``
-  (``max_steps - 20 .. max_steps - 1``); +inf if any of them is non-finite. A run that stopped early uses the last
-  20 steps it has (``final_complete`` is then false). The reference's final loss is computed the same way, so the
-  ratio compares the same steps (and, without a data-window skip, the same batches).
+  (``max_steps - 20 .. max_steps - 1``), leaving out the steps whose update was skipped and that the attempt went
+  on from (the ``skipped`` series: their loss is the batch's, not the model's, as the outcome verdict also reads
+  it; the step an attempt stopped at keeps its loss); +inf if any of the others is non-finite or none is left. A
+  run that stopped early uses the last 20 steps it has (``final_complete`` is then false). The reference's final
+  loss is computed the same way, so the ratio compares the same steps (and, without a data-window skip, the same
+  batches).
 - **steps executed**: every (attempt, step) that ran, summed over attempts: recomputed steps after a rollback
   count again, and so does every step of a retry's LR probe (``recovery.lr_probe``). Reported ÷ ``max_steps``.
 - **onset**: injected faults: the fault's step (``case.onset_step``; 0 for a defect present from the start). Natural
@@ -47,15 +50,29 @@ def lineage_curve(data: dict[str, Any]) -> dict[int, float]:
     return {st: loss.get((a, st), math.inf) for st, a in sorted(newest.items())}
 
 
+def skipped_steps(data: dict[str, Any]) -> set[int]:
+    """Steps of the lineage curve whose update was skipped (by the newest attempt that ran them) and that the attempt
+    went on from. The step an attempt stopped at keeps its loss although its update was not applied either: that
+    loss is the model's (the rollback that ended the attempt was made of it), not an outlying batch's."""
+    newest: dict[int, int] = {}
+    last: dict[int, int] = {}
+    for a, st, _ in series(data, "lr"):
+        newest[st] = max(newest.get(st, 0), a)
+        last[a] = max(last.get(a, st), st)
+    return {st for a, st, _ in series(data, "skipped") if newest.get(st) == a and st < last[a]}
+
+
 def final_loss(data: dict[str, Any], max_steps: int) -> tuple[float | None, bool]:
     curve = lineage_curve(data)
     if not curve:
         return None, False
-    window = [curve[s] for s in range(max_steps - FINAL_WINDOW, max_steps) if s in curve]
-    complete = len(window) == FINAL_WINDOW
+    steps = [s for s in range(max_steps - FINAL_WINDOW, max_steps) if s in curve]
+    complete = len(steps) == FINAL_WINDOW
     if not complete:
-        window = [curve[s] for s in sorted(curve)[-FINAL_WINDOW:]]
-    if any(not math.isfinite(v) for v in window):
+        steps = sorted(curve)[-FINAL_WINDOW:]
+    skipped = skipped_steps(data)
+    window = [curve[s] for s in steps if s not in skipped]
+    if not window or any(not math.isfinite(v) for v in window):
         return math.inf, complete
     return sum(window) / len(window), complete
 

@@ -141,7 +141,8 @@ class Service:
             time.sleep(poll_s)
 
     def collect(self, run_id: int, *, max_steps: int) -> dict[str, Any]:
-        """Run, attempts, all anomalies (every page) and the loss and lr series with nothing downsampled."""
+        """Run, attempts, all anomalies (every page) and the loss, lr, grad-norm, loss-scale and skipped-step series
+        with nothing downsampled."""
         run = self.get(f"/runs/{run_id}")
         attempts = self.get(f"/runs/{run_id}/attempts")["data"]
         anomalies: list[dict[str, Any]] = []
@@ -158,7 +159,8 @@ class Service:
         # every attempt re-runs at most max_steps steps: ask for more points than can exist, so none is dropped
         max_points = min(10_000, max(2, 2 * max_steps * max(1, len(attempts))))
         metrics = self.get(f"/runs/{run_id}/metrics",
-                           params={"series": ["loss", "lr", "grad_norm", "loss_scale"], "max_points": max_points})
+                           params={"series": ["loss", "lr", "grad_norm", "loss_scale", "skipped"],
+                                   "max_points": max_points})
         out_series: dict[str, Any] = {}
         for s in metrics["series"]:
             if s["downsampled"]:

@@ -40,13 +40,18 @@ def probe_plan(eff: Recipe, changes: Sequence[Change], *, replay_through: int | 
     BENCHMARKS.md, 2026-12-05).
 
     ``replay_through`` (the caller's, see ``replay_steps``): the ended attempt was stopped that many steps after the
-    retry's start point. When the probe's steps reach past it, the first candidate replays the ended attempt's
-    settings (``ProbePlan.replay``): the same start point, weights, batches and LR, now held constant at its
-    peak, through the step that diverged. A deterministic divergence recurs there and the candidate fails at no
-    cost beyond those steps; one that does not recur (a transient fault: a one-off NaN, a bit flip, a bad node)
-    was not the settings' doing, and the attempt then trains as the ended one did instead of with a cut LR it
-    does not need (a NaN at step 3 of a 150-step run ended 1.42x its reference at the cut LR; BENCHMARKS.md,
-    2026-12-06). A clean replay ends the probe: the other candidates would only tune an LR that was not at fault."""
+    retry's start point. The first candidate then replays the ended attempt's settings (``ProbePlan.replay``): the
+    same start point, weights, batches and LR, now held constant at its peak, through the step that diverged
+    (``replay_through + 1`` steps, ``ProbePlan.replay_steps``). A deterministic divergence recurs there and the
+    candidate fails at no cost beyond those steps; one that does not recur (a transient fault: a one-off NaN, a bit
+    flip, a bad node) was not the settings' doing, and the attempt then trains as the ended one did instead of with
+    a cut LR it does not need (a NaN at step 3 of a 150-step run ended 1.42x its reference at the cut LR;
+    BENCHMARKS.md, 2026-12-06). A clean replay ends the probe: the other candidates would only tune an LR that was
+    not at fault. The replay may take at most the steps of the whole probe it would replace (candidates x steps):
+    a clean one then costs no more than the probe, and one that fails at most doubles it. Bounding it by one
+    candidate's steps instead left a late transient unreplayed whenever it struck more than that many steps after
+    the newest checkpoint (a NaN at step 110, 10 steps after a checkpoint, with a 10-step probe: the LR was cut 2x
+    for nothing; BENCHMARKS.md, 2026-12-06, the fourth fresh set)."""
     cfg, floor = eff.recovery.lr_probe, eff.recovery.min_lr
     new_lr = next((c.new for c in changes if c.path == LR), None)
     if new_lr is None or not cfg.active(eff.training.max_steps):
@@ -58,7 +63,8 @@ def probe_plan(eff: Recipe, changes: Sequence[Change], *, replay_through: int | 
         return None
     steps = cfg.steps_for(eff.training.max_steps)
     replay: dict[str, Any] = {}
-    if replay_through is not None and 0 <= replay_through < steps and eff.optimizer.lr > new_lr:
+    through = 0 if replay_through is None else replay_through + 1
+    if replay_through is not None and 1 <= through <= len(candidates) * steps and eff.optimizer.lr > new_lr:
         doc = recipe_to_dict(eff)
         replay = {c.path: get_path(doc, c.path) for c in changes}
         candidates.insert(0, eff.optimizer.lr)
@@ -67,7 +73,8 @@ def probe_plan(eff: Recipe, changes: Sequence[Change], *, replay_through: int | 
         if_clean = {WARMUP: eff.schedule.warmup_steps}
         if any(c.path == WARMUP_FRACTION for c in changes):
             if_clean[WARMUP_FRACTION] = eff.schedule.warmup_fraction
-    return ProbePlan(candidates=tuple(candidates), steps=steps, if_clean=if_clean, replay=replay)
+    return ProbePlan(candidates=tuple(candidates), steps=steps, if_clean=if_clean, replay=replay,
+                     replay_steps=through if replay else 0)
 
 
 def replay_steps(

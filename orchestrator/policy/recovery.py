@@ -355,7 +355,8 @@ def _probe_text(probe: ProbePlan, rewarm: int) -> str:
     if ramps:
         text += f" ({' and '.join(ramps)} {'go' if len(ramps) > 1 else 'goes'} if the chosen LR trains cleanly)"
     if probe.replay:
-        text += "; the first replays the diverged settings through the step that failed (kept if it trains cleanly)"
+        text += (f"; the first replays the diverged settings through the step that failed ({probe.replay_steps} "
+                 "steps; kept if it trains cleanly)")
     return text
 
 

@@ -148,9 +148,14 @@ def list_layer_snapshots(
     return PageResult(rows, count, nxt)
 
 
-METRIC_SERIES = ("loss", "grad_norm", "grad_norm_clipped", "lr", "loss_scale", "throughput", "eval_loss")
+METRIC_SERIES = ("loss", "grad_norm", "grad_norm_clipped", "lr", "loss_scale", "throughput", "eval_loss", "skipped")
 EVAL_SERIES = frozenset({"eval_loss"})
 """Series read from ``eval_points`` (sparse: every ``training.eval_interval`` steps) rather than ``metric_points``."""
+SKIPPED = "skipped"
+"""The steps whose update was discarded (a guard's ``skip_step``, an fp16 overflow), each with the value 1: sparse.
+Their loss is the batch's, not the model's, which is why the outcome verdict leaves them out of the final loss and a
+reader who judges a curve needs to know them."""
+_SKIPPED_VALUE = sa.case((MetricPoint.skipped.is_(True), sa.literal(1.0)), else_=sa.null())
 
 
 @dataclass(frozen=True)
@@ -238,8 +243,9 @@ def metric_series(
 def _points(session: Session, table: type[MetricPoint] | type[EvalPoint], names: Sequence[str], *, run_id: int,
             step_min: int | None, step_max: int | None,
             attempt: int | None) -> dict[str, list[tuple[int, int, float]]]:
-    """(step, attempt number, value) of each named column of ``table`` in (attempt, step) order, NULLs left out."""
-    cols = [getattr(table, s) for s in names]
+    """(step, attempt number, value) of each named column of ``table`` in (attempt, step) order, NULLs left out
+    (``skipped``: 1 where the step was skipped, else left out)."""
+    cols = [_SKIPPED_VALUE if s == SKIPPED else getattr(table, s) for s in names]
     filters: list[sa.ColumnElement[bool]] = [table.run_id == run_id]
     if step_min is not None:
         filters.append(table.step >= step_min)

@@ -24,7 +24,7 @@ def run_with_history(session_factory: sessionmaker[Session]) -> dict[str, int]:
     with session_factory() as s:
         for step in range(100):  # attempt 1: steps 0..99, a one-step spike at 60
             s.add(MetricPoint(run_id=run_id, attempt_id=a1, step=step, loss=3.0 - step * 0.01,
-                              grad_norm=500.0 if step == 60 else 1.0, lr=0.003))
+                              grad_norm=500.0 if step == 60 else 1.0, lr=0.003, skipped=step == 60))
         for step in range(40, 70):  # attempt 2 re-runs from step 40
             s.add(MetricPoint(run_id=run_id, attempt_id=a2, step=step, loss=2.0, grad_norm=0.9, lr=0.0015))
         kinds = ["grad_norm_spike", "loss_spike", "grad_norm_spike", "nonfinite", "grad_norm_spike"]
@@ -128,8 +128,19 @@ def test_metrics_full_series(client: TestClient, run_with_history: dict[str, int
     assert loss["steps"][100:102] == [40, 41] and loss["attempts"][100:102] == [2, 2]  # attempt 2 after attempt 1
     assert lr["values"][0] == 0.003 and lr["values"][-1] == 0.0015
     assert [s["name"] for s in client.get(f"{RUNS}/{run_with_history['run']}/metrics").json()["series"]] == [
-        "loss", "grad_norm", "grad_norm_clipped", "lr", "loss_scale", "throughput", "eval_loss"
+        "loss", "grad_norm", "grad_norm_clipped", "lr", "loss_scale", "throughput", "eval_loss", "skipped"
     ]
+
+
+def test_metrics_skipped_series_holds_only_the_skipped_steps(client: TestClient,
+                                                             run_with_history: dict[str, int]) -> None:
+    r = client.get(f"{RUNS}/{run_with_history['run']}/metrics", params={"series": ["skipped", "loss"]})
+    assert r.status_code == 200
+    skipped, loss = r.json()["series"]
+    assert (skipped["steps"], skipped["attempts"], skipped["values"], skipped["total_points"]) == ([60], [1], [1], 1)
+    assert 60 in loss["steps"][:100]  # the skipped step keeps its loss point: the batch's loss, flagged here
+    none = client.get(f"{RUNS}/{run_with_history['run']}/metrics", params={"series": ["skipped"], "attempt": 2})
+    assert none.json()["series"][0]["steps"] == []
 
 
 def test_metrics_eval_loss_series_per_attempt_with_filters(

@@ -9,8 +9,21 @@ from typing import Any
 import pytest
 
 from benchmarks.divergence.cases import POLICIES, load_cases
-from benchmarks.divergence.fresh import FAULTS_OFF, SCENARIOS, SCENARIOS_2026_12_05, SCENARIOS_2026_12_06
-from benchmarks.divergence.metrics import evaluate_targets, final_loss, lineage_curve, loss_onset, steps_executed
+from benchmarks.divergence.fresh import (
+    FAULTS_OFF,
+    SCENARIOS,
+    SCENARIOS_2026_12_05,
+    SCENARIOS_2026_12_06,
+    SCENARIOS_2026_12_06B,
+)
+from benchmarks.divergence.metrics import (
+    evaluate_targets,
+    final_loss,
+    lineage_curve,
+    loss_onset,
+    skipped_steps,
+    steps_executed,
+)
 from benchmarks.divergence.run import plan_submissions
 from contracts.recipe import RegressionData, validate_recipe_data
 from workers.data import build_data
@@ -118,6 +131,24 @@ def test_a_non_finite_step_in_the_window_makes_the_final_loss_infinite() -> None
     assert final_loss(_data(pts[:30]), 40)[1] is False  # stopped early: last 20 steps it has, flagged
 
 
+def test_the_final_loss_leaves_out_the_lineage_steps_whose_update_was_skipped() -> None:
+    pts = [(1, s, 1.0) for s in range(40)] + [(2, s, 2.0) for s in range(30, 40)]
+    pts[25] = (1, 25, 100.0)  # a poisoned batch, its update skipped
+    pts[35] = (1, 35, None)   # a NaN step, skipped by attempt 1 but re-run cleanly by attempt 2
+    data = _data(pts, attempts=2)
+    assert final_loss(data, 40) == (pytest.approx((100.0 + 9 * 1.0 + 10 * 2.0) / 20), True)
+    data["series"]["skipped"] = {"attempts": [1, 1], "steps": [25, 35], "values": [1.0, 1.0]}
+    assert skipped_steps(data) == {25}  # step 35's newest run (attempt 2) applied its update
+    assert final_loss(data, 40) == (pytest.approx((9 * 1.0 + 10 * 2.0) / 19), True)
+    data["series"]["skipped"] = {"attempts": [1] * 20, "steps": list(range(20, 40)), "values": [1.0] * 20}
+    data["series"]["skipped"]["attempts"][10:] = [2] * 10
+    assert skipped_steps(data) == set(range(20, 39))  # the step attempt 2 stopped at keeps its loss: the model's
+    assert final_loss(data, 40) == (2.0, True)
+    stopped = _data([(1, s, 1.0) for s in range(5)] + [(1, 5, 9.0)])  # a rollback at step 5 ended the run there
+    stopped["series"]["skipped"] = {"attempts": [1], "steps": [5], "values": [1.0]}
+    assert skipped_steps(stopped) == set() and final_loss(stopped, 40) == (pytest.approx(14.0 / 6), False)
+
+
 def test_loss_onset_is_the_first_step_above_1_5x_the_running_minimum() -> None:
     losses = [4.0, 3.0, 2.0, 2.5, 2.9, 3.1, 10.0]
     assert loss_onset(_data([(1, s, v) for s, v in enumerate(losses)])) == 5
@@ -152,7 +183,8 @@ def test_fresh_scenarios_are_valid_recipes_and_their_references_only_lower_the_l
         assert "recovery" not in doc and not doc["faults"], name  # the policy's defaults; no injected fault
 
 
-@pytest.mark.parametrize("scenarios", [SCENARIOS_2026_12_05, SCENARIOS_2026_12_06], ids=["2026-12-05", "2026-12-06"])
+@pytest.mark.parametrize("scenarios", [SCENARIOS_2026_12_05, SCENARIOS_2026_12_06, SCENARIOS_2026_12_06B],
+                         ids=["2026-12-05", "2026-12-06", "2026-12-06b"])
 def test_the_later_fresh_sets_change_one_thing_for_their_references(
     scenarios: dict[str, tuple[dict[str, Any], float]],
 ) -> None:

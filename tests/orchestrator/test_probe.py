@@ -120,7 +120,9 @@ def test_a_retry_that_cuts_the_lr_probes_from_the_cut_lr_and_says_so() -> None:
     [
         ("nonfinite", 3, 3, True),        # stopped 3 steps in: a 10-step probe replays through that step
         ("nonfinite", 2, 9, True),        # the last step the probe reaches
-        ("nonfinite", 2, 10, False),      # one past it: a clean replay would not show the divergence was not theirs
+        ("nonfinite", 2, 10, True),       # one past it: the replay trains 11 steps, through the step that failed
+        ("nonfinite", 2, 29, True),       # 30 steps: as many as the three cut candidates' whole probe
+        ("nonfinite", 2, 30, False),      # one more than the probe it would replace: the cuts are cheaper
         ("loss_spike", 5, 6, True),
         ("divergence", 2, 3, False),      # the loss's level rose: a trend that a replay reproduces
         ("grad_norm_spike", 5, 6, True),  # early, during the warmup: the peak is lowered too, so it probes
@@ -140,13 +142,14 @@ def test_a_first_retry_replays_the_diverged_settings_when_the_probe_reaches_the_
     if not replayed:
         assert probe is None or (not probe.replay and probe.candidates[0] < 3e-3)
         return
-    assert probe is not None and probe.steps == 10
+    assert probe is not None and probe.steps == 10 and probe.replay_steps == final_step + 1
+    assert [probe.steps_of(i) for i in range(len(probe.candidates))] == [final_step + 1] + [10] * 3
     assert probe.candidates[0] == 3e-3 and probe.candidates[1] == p.overrides[LR][1]  # the replay, then the cuts
     assert probe.replay == {path: r.model_dump()[path.split(".")[0]][path.split(".")[1]] for path in p.overrides}
     assert probe.replay[LR] == 3e-3 and probe.replay[WARMUP] == 10  # the warmup the retry lengthened, as it was
     assert p.plan_json()["lr_probe"]["replay"] == probe.replay
     assert ProbePlan.from_plan(p.plan_json()) == probe
-    assert "the first replays the diverged settings through the step that failed" in p.reason
+    assert f"the first replays the diverged settings through the step that failed ({final_step + 1} steps" in p.reason
 
 
 @pytest.mark.parametrize(
@@ -261,6 +264,15 @@ def test_the_probe_travels_with_the_spec() -> None:
 def test_a_malformed_probe_plan_is_refused(candidates: tuple[float, ...], steps: int) -> None:
     with pytest.raises(ValueError, match="ProbePlan"):
         ProbePlan(candidates, steps)
+
+
+def test_a_replay_has_steps_of_its_own_and_a_plan_stored_before_them_replays_a_candidates_steps() -> None:
+    with pytest.raises(ValueError, match="ProbePlan.replay_steps"):
+        ProbePlan((1e-3, 1e-4), 10, replay={"optimizer.lr": 1e-3})
+    plan = ProbePlan((1e-3, 1e-4), 10, replay={"optimizer.lr": 1e-3}, replay_steps=17)
+    assert ProbePlan.from_plan({"lr_probe": plan.to_dict()}) == plan and plan.to_dict()["replay_steps"] == 17
+    older = {"lr_probe": {"candidates": [1e-3, 1e-4], "steps": 10, "replay": {"optimizer.lr": 1e-3}}}
+    assert ProbePlan.from_plan(older) == ProbePlan((1e-3, 1e-4), 10, replay={"optimizer.lr": 1e-3}, replay_steps=10)
 
 
 @pytest.mark.parametrize(("text", "mode"), [("on", ProbeMode.on), ("off", ProbeMode.off), ("auto", ProbeMode.auto),

@@ -140,12 +140,13 @@ def test_a_replay_that_trains_cleanly_keeps_the_diverged_settings(tmp_path: Path
     retry = build_recipe(EXPLODING_RNN, optimizer={"lr": 0.015625}, schedule={"warmup_steps": 20})
     spec = AttemptSpec(recipe=retry, checkpoint_dir=str(tmp_path / "probed"), attempt=2, rewarm_steps=8,
                        lr_probe=ProbePlan(candidates=(0.0625, 0.015625), steps=8,
-                                          replay={"optimizer.lr": 0.0625, WARMUP: 10}))
+                                          replay={"optimizer.lr": 0.0625, WARMUP: 10}, replay_steps=13))
     sink = ListSink()
     probed = run_attempt(spec, sink)
     [event] = sink.of_type("lr_probe")
-    assert [(c["lr"], c["failed"]) for c in event["candidates"]] == [(0.0625, None)]  # clean: the probe ends there
-    assert event["chosen"] == 0.0625 and event["steps_run"] == 8
+    # clean through its own 13 steps (past a candidate's 8, as a failed step further on needs): the probe ends there
+    assert [(c["lr"], c["failed"], c["steps"]) for c in event["candidates"]] == [(0.0625, None, 13)]
+    assert event["chosen"] == 0.0625 and event["steps_run"] == 13
     assert event["if_clean"] == {"optimizer.lr": 0.0625, WARMUP: 10} and event["rewarm_steps"] == 0
     assert f"kept (optimizer.lr 0.015625→0.0625, {WARMUP} 20→10)" in event["reason"]
     plain = run_attempt(AttemptSpec(recipe=original, checkpoint_dir=str(tmp_path / "plain"), attempt=2))
@@ -158,7 +159,7 @@ def test_a_replay_that_diverges_again_is_rejected_and_the_retrys_changes_stay(tm
     retry = build_recipe(EXPLODING_RNN, optimizer={"lr": 0.25}, schedule={"warmup_steps": 10})
     spec = AttemptSpec(recipe=retry, checkpoint_dir=str(tmp_path / "probed"), attempt=2,
                        lr_probe=ProbePlan(candidates=(1.0, 0.25, 0.0625), steps=8,
-                                          replay={"optimizer.lr": 1.0, WARMUP: 0}))
+                                          replay={"optimizer.lr": 1.0, WARMUP: 0}, replay_steps=8))
     sink = ListSink()
     run_attempt(spec, sink)
     [event] = sink.of_type("lr_probe")
