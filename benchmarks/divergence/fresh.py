@@ -7,8 +7,8 @@ worker), under ``none`` and ``ballast``, beside its reference (the same model an
 (mean of the last 20 steps of the lineage's curve), steps executed ÷ max_steps and every attempt's changes.
 A scenario that has been looked at is no longer fresh: BENCHMARKS.md says which were used to change what. With no
 NAME the first set runs; ``--set 2026-12-05`` runs the second (``SCENARIOS_2026_12_05``: six unstable recipes, three
-healthy controls), ``--set 2026-12-06`` the third and ``--set 2026-12-06b`` the fourth (``SCENARIOS_2026_12_06`` and
-``SCENARIOS_2026_12_06B``, the same shape); their names are also accepted one by one.
+healthy controls), ``--set 2026-12-06``, ``--set 2026-12-06b`` and ``--set 2026-12-06c`` the third to fifth
+(``SCENARIOS_2026_12_06``, ``..._06B``, ``..._06C``, the same shape); their names are also accepted one by one.
 """
 
 from __future__ import annotations
@@ -148,6 +148,36 @@ SCENARIOS_2026_12_06B: dict[str, tuple[dict[str, Any], float]] = {
     "control-mlp-tanh-sgd": (_recipe({"name": "deep_mlp", "depth": 4, "width": 64, "activation": "tanh"},
                                      {"name": "regression", "dim": 16}, {"name": "sgd", "lr": 0.05}), 0.05),
 }
+SCENARIOS_2026_12_06C: dict[str, tuple[dict[str, Any], float]] = {
+    # written on 2026-12-06 (a third set that day) before running any of them: a constant LR at the edge, fp16 at a
+    # high LR behind a warmup, gradient accumulation, a NaN at the very first step, a poisoned batch in the warmup,
+    # a deep un-normalised residual MLP
+    "gpt-constant-lr-edge": ({**_recipe(_gpt(64), MARKOV, {"name": "adamw", "lr": 0.03}, warmup=10),
+                              "schedule": {"warmup_steps": 10, "decay": "constant"}}, 0.003),
+    "gpt-fp16-warmup-high": (_recipe(_gpt(48), MARKOV, {"name": "adamw", "lr": 0.08}, warmup=15, dtype="fp16"),
+                             0.003),
+    "gpt-grad-accum-sgd": ({**_recipe(_gpt(32), MARKOV, {"name": "sgd", "lr": 4.0, "momentum": 0.9},
+                                      clipping=NO_CLIP),
+                            "training": {"max_steps": 150, "batch_size": 4, "grad_accum_steps": 4, "seed": 5}}, 0.4),
+    "lstm-nan-at-step-0": ({**_recipe({"name": "rnn", "cell": "lstm", "hidden": 32},
+                                      {"name": "sequence", "task": "running_sum", "seq_len": 16, "dim": 4},
+                                      {"name": "adam", "lr": 0.01}),
+                            "faults": [{"type": "nan_loss", "step": 0}]}, FAULTS_OFF),
+    "mlp-poisoned-in-warmup": ({**_recipe({"name": "deep_mlp", "depth": 4, "width": 64},
+                                          {"name": "regression", "dim": 16}, {"name": "adam", "lr": 0.003}, warmup=20),
+                                "faults": [{"type": "batch_scale", "step": 6, "factor": 1e5}]}, FAULTS_OFF),
+    "mlp-residual-relu-adam": (_recipe({"name": "deep_mlp", "depth": 12, "width": 64, "activation": "relu",
+                                        "residual": True}, {"name": "regression", "dim": 16},
+                                       {"name": "adam", "lr": 0.03}, clipping=NO_CLIP), 0.001),
+    # healthy controls: the reference is the run itself; ballast should leave them alone (1 attempt)
+    "control-gpt-300-steps": ({**_recipe(_gpt(48), MARKOV, {"name": "adamw", "lr": 0.002}, warmup=20),
+                               "training": {"max_steps": 300, "batch_size": 16, "seed": 9}}, 0.002),
+    "control-rnn-copy-clip": (_recipe({"name": "rnn", "cell": "rnn", "hidden": 32},
+                                      {"name": "sequence", "task": "copy", "seq_len": 12, "dim": 4},
+                                      {"name": "sgd", "lr": 0.05, "momentum": 0.9}), 0.05),
+    "control-linear-sgd-cond10": (_recipe({"name": "linear"}, {"name": "regression", "dim": 16, "condition": 10.0},
+                                          {"name": "sgd", "lr": 0.05}), 0.05),
+}
 POLICIES = {"none": {"max_retries": 0}, "ballast": {}}
 
 
@@ -190,8 +220,9 @@ def run(doc: dict[str, Any], recovery: dict[str, Any]) -> dict[str, Any]:
 def main(names: list[str]) -> None:
     torch.set_num_threads(1)
     sets = {"2026-12-05": SCENARIOS_2026_12_05, "2026-12-06": SCENARIOS_2026_12_06,
-            "2026-12-06b": SCENARIOS_2026_12_06B}
-    every = {**SCENARIOS, **SCENARIOS_2026_12_05, **SCENARIOS_2026_12_06, **SCENARIOS_2026_12_06B}
+            "2026-12-06b": SCENARIOS_2026_12_06B, "2026-12-06c": SCENARIOS_2026_12_06C}
+    every = {**SCENARIOS, **SCENARIOS_2026_12_05, **SCENARIOS_2026_12_06, **SCENARIOS_2026_12_06B,
+             **SCENARIOS_2026_12_06C}
     if names[:1] == ["--set"]:
         names = list(sets[names[1]]) + names[2:]
     for name in names or list(SCENARIOS):

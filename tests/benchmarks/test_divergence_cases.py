@@ -15,6 +15,7 @@ from benchmarks.divergence.fresh import (
     SCENARIOS_2026_12_05,
     SCENARIOS_2026_12_06,
     SCENARIOS_2026_12_06B,
+    SCENARIOS_2026_12_06C,
 )
 from benchmarks.divergence.metrics import (
     evaluate_targets,
@@ -183,8 +184,9 @@ def test_fresh_scenarios_are_valid_recipes_and_their_references_only_lower_the_l
         assert "recovery" not in doc and not doc["faults"], name  # the policy's defaults; no injected fault
 
 
-@pytest.mark.parametrize("scenarios", [SCENARIOS_2026_12_05, SCENARIOS_2026_12_06, SCENARIOS_2026_12_06B],
-                         ids=["2026-12-05", "2026-12-06", "2026-12-06b"])
+@pytest.mark.parametrize("scenarios", [SCENARIOS_2026_12_05, SCENARIOS_2026_12_06, SCENARIOS_2026_12_06B,
+                                       SCENARIOS_2026_12_06C],
+                         ids=["2026-12-05", "2026-12-06", "2026-12-06b", "2026-12-06c"])
 def test_the_later_fresh_sets_change_one_thing_for_their_references(
     scenarios: dict[str, tuple[dict[str, Any], float]],
 ) -> None:

@@ -690,6 +690,28 @@ def test_batch_noise_cannot_fire_the_paired_rule(seed: int, spread: float) -> No
             if f.details.get("rule") == "worse_than_untrained"] == []
 
 
+@pytest.mark.parametrize("seed", SEEDS)
+def test_a_poisoned_batch_among_the_untrained_ones_does_not_widen_the_margins(seed: int) -> None:
+    """A batch 1e5x out of scale at step 6 scores ~1e10 untrained, and about as much after six updates. Counted in the
+    spread, it would make every margin that uses the spread ~1e10 wide: its own loss would pass the initial-ratio
+    rule and enter the smoothed loss, and the ratio-to-best rule would fire ~20 steps later on a healthy run (the
+    fresh scenario `mlp-poisoned-in-warmup`, BENCHMARKS.md). Left out of the spread, the step is held out of the
+    statistics, nothing fires on the steps after it, and a real blow-up is still caught at once."""
+    rng = np.random.default_rng(seed)
+    untrained = [8.0 * (1 + 0.3 * float(rng.standard_normal())) for _ in range(16)]
+    untrained[6] = 5e10
+    series = edit(healthy(seed, n=200), [6], loss=5.2e10)
+    suite = suite_with_untrained(untrained)
+    decisions = observe_all(suite, series)
+    assert findings(decisions) == []
+    assert suite.loss_spike.ema.mean < 10.0  # the poisoned loss never entered the smoothed loss
+    clean = [x for i, x in enumerate(untrained) if i != 6]
+    assert suite.loss_spike._untrained_spread == pytest.approx(float(np.std(clean, ddof=1)))
+    blown = edit(healthy(seed, n=40), [9], loss=lambda s: untrained[s.step] * 3.0)
+    f = first(observe_all(suite_with_untrained(untrained), blown), "divergence")
+    assert (f.step, f.details["rule"]) == (9, "worse_than_untrained")
+
+
 def test_a_large_spread_of_the_untrained_losses_widens_the_margin() -> None:
     """Where the untrained model's per-batch losses spread widely (a regression on a few samples), one batch's
     loss moves a lot under a healthy update: the rise must then be 4 spreads, not just 10%."""

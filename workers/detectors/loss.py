@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import statistics
 from dataclasses import dataclass
 from typing import Any
 
@@ -306,9 +307,23 @@ class LossSpike(Detector):
             self.initial, self.initial_n, self.initial_seen = None, 0, INITIAL_LOSS_STEPS
 
 
+OUTLIER_MADS = 10.0
+"""How many median absolute deviations from the median an untrained loss may lie and still count towards the
+spread. Batch noise, even heavy-tailed, stays well inside (a normal sample of 16 reaches ~4 MADs); a poisoned batch
+(inputs 1e5x out of scale) lies ~1e9 MADs out, and counted it would make the spread, and with it every margin that
+uses it, as large as itself: its own loss and its update then pass as noise, and the loss the EMA absorbs from it
+later fires the ratio-to-best rule on a healthy run."""
+
+
 def _spread(values: list[float]) -> float:
-    """Sample standard deviation of the finite values (0 with fewer than two)."""
+    """Sample standard deviation of the finite values that lie within ``OUTLIER_MADS`` median absolute deviations of
+    their median (0 with fewer than two)."""
     finite = [x for x in values if math.isfinite(x)]
+    if len(finite) >= 3:
+        med = statistics.median(finite)
+        mad = statistics.median(abs(x - med) for x in finite)
+        if mad > 0.0:
+            finite = [x for x in finite if abs(x - med) <= OUTLIER_MADS * mad]
     if len(finite) < 2:
         return 0.0
     mean = sum(finite) / len(finite)
