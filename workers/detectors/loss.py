@@ -121,7 +121,8 @@ class LossSpike(Detector):
         """The untrained model's loss on the batches of steps 0, 1, ... of a fresh start (empty: not measured)."""
         self.untrained_run = Streak()
         self._untrained_spread = 0.0
-        """Standard deviation of the finite untrained losses: the batch-to-batch scale of the paired rule."""
+        """Standard deviation of the finite untrained losses, a batch far out of scale left out (``_spread``): the
+        batch-to-batch scale of the paired rule."""
 
     def set_untrained(self, losses: list[float]) -> None:
         """The untrained model's loss per step of a fresh start (the trainer measures it before the first update);
