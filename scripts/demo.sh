@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The README's main job, end to end on the embedded defaults (a SQLite file and a local Ray, both under
 # $BALLAST_HOME): start the service, submit an unstable example recipe, watch it diverge, roll back to a healthy
-# checkpoint and finish with tightened settings, print what the store recorded, stop the service.
+# checkpoint and finish (with the settings the retry's replay and LR probe decided), print what the store recorded,
+# stop the service.
 #
 # Exit status 0 only if the run SUCCEEDED after at least 2 attempts. `make demo` sets up the venv first.
 # Usage: scripts/demo.sh [RECIPE]   (default: recipes/unstable-grad-spike.yaml)

@@ -2,9 +2,11 @@
 
 The user's code reaches the Ray workers only through the recipe's ``code`` section (Ray's ``runtime_env``): the
 server and its workers are started without the repository on their path. Each example diverges on its injected
-fault in attempt 1, the scheduler rolls it back to a healthy checkpoint before the onset with tightened settings,
-and the run SUCCEEDS; the unmodified models train as written (a classifier with a cross-entropy loss section, a
-from-scratch Hugging Face GPT-2 on dict batches from a local token file).
+fault in attempt 1, the scheduler rolls it back to a healthy checkpoint before the onset, and the run SUCCEEDS:
+the classifier's retry keeps its settings once its LR probe has replayed them cleanly through the failed step
+(the fault fires only in attempt 1), the GPT-2 retry halves its LR. The unmodified models train as written (a
+classifier with a cross-entropy loss section, a from-scratch Hugging Face GPT-2 on dict batches from a local
+token file).
 """
 
 from __future__ import annotations
@@ -77,5 +79,13 @@ def test_both_examples_recover_through_the_service(ray_cluster: Any, tmp_path: P
         first, second = run["attempts"][0], run["attempts"][1]
         assert first["state"] == "diverged" and first["onset_step"] is not None
         assert second["kind"] == "numeric_retry" and second["resume_step"] <= first["onset_step"]
-        assert second["overrides"], second  # tightened: the recovery policy changed a setting
+    classifier, gpt2 = (run["attempts"][1] for run in runs)
+    # the classifier's retry planned a cut LR, but its probe first replayed the diverged settings from the step-50
+    # checkpoint through the failed step: the spike fires only in attempt 1, so the replay trained cleanly and the
+    # retry kept the recipe's settings (the spike was not theirs)
+    probe = classifier["plan"]["lr_probe"]
+    assert classifier["overrides"] == {} and probe["replay"] and probe["chosen"] == 0.05, classifier
+    assert [c["lr"] for c in probe["candidates_run"]] == [0.05] and "kept (" in classifier["reason"], classifier
+    # the GPT-2 run is too short for the probe: its retry halves the LR
+    assert gpt2["overrides"] == {"optimizer.lr": [0.003, 0.0015]}, gpt2
     assert runs[1]["attempts"][0]["outcome"]["detector"] == "nonfinite"  # the GPT-2 example's NaN loss
