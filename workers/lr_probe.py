@@ -84,7 +84,9 @@ def run_probe(spec: AttemptSpec, plan: ProbePlan, ctx: WorkerContext, resume_dir
     start_step = 0
     quiet = None if sink is None else StopOnlySink(sink)
     for i, lr in enumerate(plan.candidates):
-        trainer = GuardedTrainer(with_lr(spec, lr), ctx, sink=quiet, resume_dir=resume_dir)
+        replaying = bool(plan.replay) and i == 0  # the ended attempt's settings: every one the retry changed
+        trainer = GuardedTrainer(with_lr(spec, lr, plan.replay if replaying else None), ctx, sink=quiet,
+                                 resume_dir=resume_dir)
         start_step = trainer.start_step
         losses, failed = trainer.probe(plan.steps_of(i))
         runs.append(CandidateRun(lr=lr, losses=tuple(losses), failed=failed))

@@ -106,6 +106,7 @@ from orchestrator.policy.tightening import (
     METHOD,
     NO_PROGRESS_KINDS,
     Change,
+    Knob,
     num,
     tighten_clip,
     tighten_lr,
@@ -414,17 +415,23 @@ def _numeric_retry(
     tightened = _tightening(eff, history, last, onset, used)
     if isinstance(tightened, str):
         return GiveUp(f"{_ended(last, onset)}; nothing left to tighten ({tightened})")
-    changes, texts = tightened
+    changes, texts, on_recurrence = tightened
     resume, where = _resume_point(rec, lineage, last, onset, eff.training.max_steps)
     resume_step = resume.step if resume is not None else 0
+    replay = replay_steps(last.detector, last.final_step, resume_step=resume_step, used=used,
+                          skip_data_window=rec.skip_data_window)
+    probe = probe_plan(eff, changes, replay_through=replay)
+    if probe is not None and probe.replay and on_recurrence is not None:
+        # the replay is the recurrence test: only if it fails do the other candidates train, and a divergence that
+        # recurs at the same settings from the same point turns the second knob too (the replay reverts it)
+        changes = [*changes, *on_recurrence.changes]
+        texts.append(f"{on_recurrence.text} (with the cut LR, should the replay show it recurs)")
+        probe = probe_plan(eff, changes, replay_through=replay)
     overrides = _cumulative(recipe, last, changes)
     # a re-warm eases a *changed* step size in; a dtype switch alone keeps the LR and its schedule as they were
     rewarm = 0 if all(c.path == DTYPE for c in changes) else rec.rewarm_steps
     if rewarm:
         texts.append(f"re-warm {rewarm} steps")
-    replay = replay_steps(last.detector, last.final_step, resume_step=resume_step, used=used,
-                          skip_data_window=rec.skip_data_window)
-    probe = probe_plan(eff, changes, replay_through=replay)
     if probe is not None:
         texts.append(_probe_text(probe, rewarm))
     data_offset = last.data_offset
@@ -445,11 +452,12 @@ def _numeric_retry(
 
 def _tightening(
     eff: Recipe, history: Sequence[AttemptRecord], last: AttemptRecord, onset: int, used: int
-) -> tuple[list[Change], list[str]] | str:
-    """The changes the evidence calls for and their texts, or (a str) why nothing can change: the floors."""
+) -> tuple[list[Change], list[str], Knob | None] | str:
+    """The changes the evidence calls for, their texts and the knob a recurrence would add (the secondary one when
+    it was held back; None: none), or (a str) why nothing can change: the floors."""
     overflow = fp16_overflow(eff, last)
     if overflow:  # fp16's range failed, not the step size: switch the dtype alone (the LR follows if it recurs)
-        return [Change(DTYPE, DType.bf16.value)], [f"precision fp16→bf16 ({overflow}); lr and clip unchanged"]
+        return [Change(DTYPE, DType.bf16.value)], [f"precision fp16→bf16 ({overflow}); lr and clip unchanged"], None
     order = tighten_order_for(eff, last.detector)
     median = next(
         (a.median_grad_norm for a in reversed(history)
@@ -459,6 +467,7 @@ def _tightening(
     # no progress at all: halving is a guess that rarely suffices, so the LR moves by the factor squared
     strong = last.detector in NO_PROGRESS_KINDS or onset <= max(10, int(EARLY_FRACTION * eff.training.max_steps))
     lr_knob, clip_knob = tighten_lr(eff, strong=strong), tighten_clip(eff, median)
+    secondary: Knob | None = None
     if order is TightenOrder.both:
         chosen = [lr_knob, clip_knob]
     else:
@@ -472,7 +481,8 @@ def _tightening(
     texts = [k.text for k in moved]
     if not changes:
         return ", ".join(k.text for k in (lr_knob, clip_knob))
-    return changes, texts
+    held_back = secondary if secondary is not None and secondary not in chosen and secondary.changes else None
+    return changes, texts, held_back
 
 
 def fp16_overflow(eff: Recipe, last: AttemptRecord) -> str:
