@@ -37,10 +37,13 @@ with the same settings, the baseline other systems apply):
   (``tighten_order_for``): ``auto`` lowers the LR first after a loss divergence or a non-finite value whatever the
   optimizer, tightens the clip first after a gradient spike with a healthy loss, and falls back to the optimizer
   family (LR for Adam/AdamW, clip for SGD) for other kinds; an explicit ``tighten_order`` is obeyed. The
-  *primary* knob is tightened on every
-  retry; the *secondary* one from the 2nd numeric retry on, or already on the 1st when the primary is at its
-  floor. ``both`` tightens both every retry. After a run that never learned, or a divergence in its first 10% of
-  steps, the LR moves by ``lr_factor²`` (halving is a guess that rarely suffices there).
+  *primary* knob is tightened on every retry; the *secondary* one from the 2nd numeric retry on, or already on the
+  1st when the primary is at its floor or when the 1st retry's LR probe replays the ended settings: the replay is
+  the recurrence test (it reverts every change), and the cut candidates train only once it has failed, i.e. once
+  the divergence has recurred (a x1e4 gradient spike that recurred at step 60 of a 150-step run took three
+  attempts when the cut LR alone followed the failed replay, two with the clip too). ``both`` tightens both every
+  retry. After a run that never learned, or a divergence in its first 10% of steps, the LR moves by
+  ``lr_factor²`` (halving is a guess that rarely suffices there).
 - Warmup (``warmup_change``): a divergence in the first 10% of steps of a run without warmup adds one (10% of
   max_steps, at least 10 steps); one during or right after the warmup doubles it; either way the peak LR is
   lowered too.

@@ -12,7 +12,7 @@ from contracts.recipe import ProbeMode, RecipeError, load_recipe
 from contracts.wire import AttemptSpec, ProbePlan
 from orchestrator.policy.probe import apply_probe_result, probe_plan, replay_steps
 from orchestrator.policy.recovery import AttemptRecord, RecoveryPlan, decide
-from orchestrator.policy.tightening import LR, MAX_NORM, WARMUP, WARMUP_FRACTION, Change
+from orchestrator.policy.tightening import LR, MAX_NORM, METHOD, WARMUP, WARMUP_FRACTION, Change
 from tests.recipes import build_recipe
 
 recipe = partial(build_recipe, {"name": "t"})
@@ -150,6 +150,27 @@ def test_a_first_retry_replays_the_diverged_settings_when_the_probe_reaches_the_
     assert p.plan_json()["lr_probe"]["replay"] == probe.replay
     assert ProbePlan.from_plan(p.plan_json()) == probe
     assert f"the first replays the diverged settings through the step that failed ({final_step + 1} steps" in p.reason
+
+
+@pytest.mark.parametrize(("detector", "clip_too"), [("loss_spike", True), ("nonfinite", True), ("divergence", False)])
+def test_a_replay_is_the_recurrence_test_so_the_cut_candidates_turn_the_clip_too(detector: str, clip_too: bool) -> None:
+    """A loss divergence lowers the LR first and the clip only when it recurs. A first retry that replays the ended
+    settings learns in its probe whether it recurs: the candidates after the replay train only if it did, so they
+    carry the clip as well, and the replay reverts it with every other change. Without a replay (a level that
+    rose: a trend) the first retry moves the LR alone."""
+    r = recipe(training={"max_steps": 150}, optimizer={"lr": 3e-3}, schedule={"warmup_steps": 10},
+               clipping={"method": "none"})
+    history = [AttemptRecord(number=1, kind="initial", outcome="diverged", start_step=0, onset_step=5,
+                             final_step=6, detector=detector)]
+    p = decide(r, history, [])
+    assert isinstance(p, RecoveryPlan) and p.overrides[LR][1] < 3e-3
+    assert (METHOD in p.overrides) is clip_too
+    probe = p.lr_probe
+    assert probe is not None and bool(probe.replay) is clip_too
+    if clip_too:
+        assert p.overrides[METHOD] == ("none", "global_norm")
+        assert probe.replay[METHOD] == "none" and probe.replay[LR] == 3e-3  # the replay is the ended attempt
+        assert "clipping none→global_norm at 1.0 (with the cut LR, should the replay show it recurs)" in p.reason
 
 
 @pytest.mark.parametrize(

@@ -178,9 +178,11 @@ def test_a_manual_retry_resumes_from_the_newest_valid_healthy_checkpoint_of_the_
     [
         # auto, by evidence: a loss divergence lowers the LR first whatever the optimizer; clip joins on the 2nd
         ("adamw", "auto", "divergence", {"optimizer.lr"}, {"optimizer.lr", "clipping.max_norm"}),
-        ("sgd", "auto", "loss_spike", {"optimizer.lr"}, {"optimizer.lr", "clipping.max_norm"}),
-        ("sgd", "auto", "nonfinite", {"optimizer.lr"}, {"optimizer.lr", "clipping.max_norm"}),
         ("sgd", "auto", "eval_degraded", {"optimizer.lr"}, {"optimizer.lr", "clipping.max_norm"}),
+        # ... or already on the 1st when its probe replays a one-step end: the cut LRs train only if the replay
+        # shows the divergence recurs, and then the clip joins them (the replay reverts both)
+        ("sgd", "auto", "loss_spike", {"optimizer.lr", "clipping.max_norm"}, {"optimizer.lr", "clipping.max_norm"}),
+        ("sgd", "auto", "nonfinite", {"optimizer.lr", "clipping.max_norm"}, {"optimizer.lr", "clipping.max_norm"}),
         # auto, by evidence: a gradient spike with a healthy loss tightens the clip first, whatever the optimizer
         ("adamw", "auto", "grad_norm_spike", {"clipping.max_norm"}, {"optimizer.lr", "clipping.max_norm"}),
         ("adam", "auto", "skip_escalation", {"clipping.max_norm"}, {"optimizer.lr", "clipping.max_norm"}),
@@ -188,7 +190,8 @@ def test_a_manual_retry_resumes_from_the_newest_valid_healthy_checkpoint_of_the_
         ("adamw", "auto", "custom_kind", {"optimizer.lr"}, {"optimizer.lr", "clipping.max_norm"}),
         ("sgd", "auto", None, {"clipping.max_norm"}, {"optimizer.lr", "clipping.max_norm"}),
         # explicit orders win over the evidence
-        ("sgd", "lr_first", "grad_norm_spike", {"optimizer.lr"}, {"optimizer.lr", "clipping.max_norm"}),
+        ("sgd", "lr_first", "grad_norm_spike", {"optimizer.lr", "clipping.max_norm"},
+         {"optimizer.lr", "clipping.max_norm"}),  # a replayed one-step end, as above
         ("adamw", "clip_first", "divergence", {"clipping.max_norm"}, {"optimizer.lr", "clipping.max_norm"}),
         ("adamw", "both", "grad_norm_spike", {"optimizer.lr", "clipping.max_norm"},
          {"optimizer.lr", "clipping.max_norm"}),
@@ -364,8 +367,9 @@ def test_fp16_to_bf16_when_the_loss_scale_collapsed(dtype: str, collapsed: bool,
     ("dtype", "detector", "expect"),
     [
         ("fp16", "nonfinite", {"precision.dtype": ("fp16", "bf16")}),
-        ("bf16", "nonfinite", {"optimizer.lr": (1e-3, 5e-4)}),
-        ("fp16", "loss_spike", {"optimizer.lr": (1e-3, 5e-4)}),
+        # the LR, and the clip for the cut candidates should the probe's replay show it recurs
+        ("bf16", "nonfinite", {"optimizer.lr": (1e-3, 5e-4), "clipping.max_norm": (1.0, 0.5)}),
+        ("fp16", "loss_spike", {"optimizer.lr": (1e-3, 5e-4), "clipping.max_norm": (1.0, 0.5)}),
     ],
 )
 def test_non_finite_values_in_fp16_switch_the_dtype_alone(dtype: str, detector: str,

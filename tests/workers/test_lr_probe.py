@@ -168,6 +168,22 @@ def test_a_replay_that_diverges_again_is_rejected_and_the_retrys_changes_stay(tm
     assert sink.of_type("metric")[0]["lr"] == pytest.approx(event["chosen"] / 10)  # the retry's warmup stayed
 
 
+def test_the_replay_trains_with_every_setting_of_the_ended_attempt_not_only_its_lr(tmp_path: Path) -> None:
+    """The retry turned the clip on as well as cutting the LR; its replay reverts both. At lr 1.0 the RNN trains
+    cleanly under a 0.1 clip but blows up without one, as the ended attempt did: a replay that kept the retry's clip
+    would have passed it as a transient and taken the cut LR back."""
+    retry = build_recipe(EXPLODING_RNN, optimizer={"lr": 0.25}, clipping={"method": "global_norm", "max_norm": 0.1})
+    spec = AttemptSpec(recipe=retry, checkpoint_dir=str(tmp_path / "probed"), attempt=2,
+                       lr_probe=ProbePlan(candidates=(1.0, 0.25, 0.0625), steps=8,
+                                          replay={"optimizer.lr": 1.0, "clipping.method": "none"}, replay_steps=8))
+    sink = ListSink()
+    run_attempt(spec, sink)
+    [event] = sink.of_type("lr_probe")
+    assert event["candidates"][0]["lr"] == 1.0 and event["candidates"][0]["failed"]
+    assert event["chosen"] < 1.0 and "kept" not in event["reason"]
+    assert [c["failed"] for c in event["candidates"][1:]] == [None, None]  # the cut LRs, clipped, train cleanly
+
+
 def test_a_stop_request_ends_the_probe_and_the_attempt(tmp_path: Path) -> None:
     """A cancel during the probe is not held up by the remaining candidates: the candidate that sees it stops,
     no other is tried, and the attempt ends cancelled at its first step."""
