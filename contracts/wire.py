@@ -41,7 +41,7 @@ ANOMALY_KINDS = (
     "nonfinite", "loss_scale_collapse", "grad_norm_spike", "loss_spike", "divergence", "oscillation", "stagnation",
     "vanishing_gradients", "skip_escalation",  # the step detectors (workers/detectors)
     # the outcome verdict (workers/verdict.py)
-    "vanishing", "never_learned", "stalled", "degraded", "above_bar", "eval_degraded",
+    "vanishing", "never_learned", "stalled", "collapsed", "degraded", "above_bar", "eval_degraded",
     "checkpoint_corrupt",  # the control plane: a checkpoint failed verification (orchestrator/store/checkpoints.py)
 )
 """Every ``kind`` an ``anomaly`` event can carry. A ``Finding`` of any other kind is refused when it is made, so
@@ -159,6 +159,11 @@ class ProbePlan:
     def steps_of(self, index: int) -> int:
         """Steps the ``index``-th candidate trains: the replay's own count for the first of a replaying plan."""
         return self.replay_steps if self.replay and index == 0 else self.steps
+
+    @property
+    def max_steps(self) -> int:
+        """The most steps the probe can train: every candidate, the replay at its own count."""
+        return sum(self.steps_of(i) for i in range(len(self.candidates)))
 
     def to_dict(self) -> dict[str, Any]:
         out: dict[str, Any] = {"candidates": list(self.candidates), "steps": self.steps}

@@ -30,6 +30,7 @@ the modules above, and what is left here is the order in which they run.
 
 from __future__ import annotations
 
+import math
 import statistics
 import time
 from dataclasses import dataclass
@@ -70,11 +71,14 @@ from workers.signals import GatheredStep, RankSignals, combine, gather
 from workers.sinks import EventSink
 from workers.telemetry import layer_stats_payload, metric_payload
 from workers.verdict import (
+    COLLAPSE_BASELINE_STEPS,
     EvalEvidence,
     Evidence,
     Verdict,
+    collapse_window,
     early_check_step,
     final_loss,
+    judge_collapse,
     judge_end,
     judge_progress,
     judge_stall,
@@ -184,6 +188,7 @@ class GuardedTrainer:
         self._early_check = early_check_step(r.success, max_steps=r.training.max_steps, warmup_steps=warmup)
         self._stall_steps = stall_steps(r.success, max_steps=r.training.max_steps,
                                         ema_alpha=r.detectors.loss_spike.ema_alpha)
+        self._collapse_window = collapse_window(r.detectors.loss_spike.ema_alpha)
         self._progress_mark: tuple[int, float] | None = None
         """The stall clock (``verdict.progress_mark``). Not checkpointed: a resumed attempt starts it at the restored
         best, later than or at the lineage's mark, so a resume never makes the rule fire sooner."""
@@ -253,6 +258,8 @@ class GuardedTrainer:
             if step == self._early_check and not self._judged(self._early_verdict(step)):
                 break
             if not self._judged(self._stall_verdict(res.final_step)):
+                break
+            if not self._judged(self._collapse_verdict(res.final_step)):
                 break
             if res.final_step % every == 0 or res.final_step == max_steps:
                 self.checkpoint(res.final_step)
@@ -503,6 +510,27 @@ class GuardedTrainer:
         if self._progress_mark is None or step - max(self._progress_mark[0], self.start_step) < self._stall_steps:
             return Verdict(None, "improving")
         return judge_stall(self.recipe.success, self._evidence(), step=step, patience=self._stall_steps)
+
+    def _collapse_verdict(self, step: int) -> Verdict:
+        """The gradient-collapse rule after ``step`` completed steps; only a fresh start has its first steps'
+        gradient norms to compare with (a resumed attempt's first steps are not the model's)."""
+        window = self._collapse_window
+        if self.start_step != 0 or step < max(window, COLLAPSE_BASELINE_STEPS):
+            return Verdict(None, "not applicable")
+        res = self.result
+        skipped = set(res.skipped_steps)
+
+        def finite(values: list[float], first: int) -> list[float]:  # values[i] is step first + i
+            return [v for i, v in enumerate(values, start=first) if math.isfinite(v) and i not in skipped]
+
+        baseline = finite(res.grad_norms[:COLLAPSE_BASELINE_STEPS], 0)
+        return judge_collapse(
+            self.recipe.success, step=step, max_steps=self.recipe.training.max_steps,
+            baseline_norm=statistics.median(baseline) if baseline else None,
+            norms=finite(res.grad_norms[step - window:step], step - window),
+            losses=[x for x in res.losses[step - window:step] if math.isfinite(x)],
+            initial_loss=self.detectors.loss_summary().initial, loss_floor=self.data.loss_floor,
+        )
 
     def _judged(self, verdict: Verdict) -> bool:
         """True when the verdict is healthy; otherwise the attempt ends as diverged with the verdict's kind (the

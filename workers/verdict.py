@@ -20,6 +20,16 @@ time (the recipe's ``success`` section holds the tolerances):
   LR that stalled it, and its checkpoints, best one included, hold weights that a lower LR does not bring back
   (measured on development runs: from the best checkpoint the retries ended at 1.2-1.9x the loss a safe LR
   reaches, from initialisation within 2% of it).
+- **collapsed** (checked at every step of a fresh start's first half, only where the data's loss floor is known):
+  the median pre-clip gradient norm of the last ``collapse_window`` steps is below ``collapse_ratio`` of the
+  median of the first five while the median loss of those steps has covered less than ``collapse_max_progress``
+  of the way to the floor. A healthy run's gradient norm falls as its loss nears a minimum; one that falls while
+  the loss is still near its start says an early, too-large step put the model in a flat region (a saturated
+  softmax, LayerNorm or units), from which it descends slowly and ends under-trained with no spike for any loss
+  rule to see. Medians, so that one poisoned batch moves neither number. The onset is the attempt's start, as
+  for a stall. (On the first five fresh sets and the benchmark's development half, healthy runs kept at least
+  0.62 of their initial gradient norm while their loss was within its first quarter of the way; the three high-LR
+  transformer runs that ended 1.2-1.6x their references fell to 0.33-0.40 there. BENCHMARKS.md, 2026-12-06.)
 - **degraded**: the final loss is more than ``regression_tolerance`` above the best smoothed loss the lineage
   reached; the onset is just after the best step, so the rollback goes back to the best checkpoint.
 - **eval degraded / never learned (held out)**, only when the attempt measured an eval loss
@@ -47,6 +57,7 @@ make a plateau at the initial level look like progress.
 from __future__ import annotations
 
 import math
+import statistics
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 
@@ -55,10 +66,13 @@ from contracts.recipe import Success
 VANISHING = "vanishing"
 NEVER_LEARNED = "never_learned"
 STALLED = "stalled"
+COLLAPSED = "collapsed"
 DEGRADED = "degraded"
 ABOVE_BAR = "above_bar"
 EVAL_DEGRADED = "eval_degraded"
-VERDICT_KINDS = (VANISHING, NEVER_LEARNED, STALLED, DEGRADED, EVAL_DEGRADED, ABOVE_BAR)
+VERDICT_KINDS = (VANISHING, NEVER_LEARNED, STALLED, COLLAPSED, DEGRADED, EVAL_DEGRADED, ABOVE_BAR)
+COLLAPSE_BASELINE_STEPS = 5
+"""The gradient-collapse rule's baseline: the median pre-clip gradient norm of a fresh start's first steps."""
 
 
 @dataclass(frozen=True)
@@ -199,6 +213,42 @@ def judge_stall(cfg: Success, ev: Evidence, *, step: int, patience: int, at_end:
         f"past {cfg.stall_max_progress:.0%})",
         value=ev.best_loss, threshold=_threshold(ev, cfg.stall_max_progress),
         onset_step=ev.start_step if ev.best_step >= ev.start_step else 0,
+    )
+
+
+def collapse_window(ema_alpha: float) -> int:
+    """The steps the gradient-collapse rule takes its medians over: the loss EMA's horizon (1/alpha; 20 steps with
+    the default), the span over which the smoothed loss itself is judged."""
+    return math.ceil(1.0 / ema_alpha)
+
+
+def judge_collapse(cfg: Success, *, step: int, max_steps: int, baseline_norm: float | None,
+                   norms: Sequence[float], losses: Sequence[float], initial_loss: float | None,
+                   loss_floor: float | None) -> Verdict:
+    """The gradient-collapse rule (module docstring) after ``step`` completed steps of a fresh start:
+    ``baseline_norm`` is the median gradient norm of its first steps (None: not yet known), ``norms`` and
+    ``losses`` the finite pre-clip norms and losses of its last ``collapse_window`` steps (the norms of steps whose
+    update was discarded left out)."""
+    ratio_bar = cfg.collapse_ratio
+    if ratio_bar is None or loss_floor is None or baseline_norm is None or baseline_norm <= 0.0:
+        return Verdict(None, "off")
+    if step > max_steps // 2 or not norms or not losses:
+        return Verdict(None, "outside the window")
+    norm = statistics.median(norms)
+    ratio = norm / baseline_norm
+    if ratio >= ratio_bar:
+        return Verdict(None, "gradients at their scale")
+    loss = statistics.median(losses)
+    p = progress(loss, initial_loss, loss_floor)
+    if p is None or p >= cfg.collapse_max_progress:
+        return Verdict(None, "gradients shrank with the loss")
+    return Verdict(
+        COLLAPSED,
+        f"collapsed: by step {step} the median gradient norm {_fmt(norm)} of the last {len(norms)} steps is "
+        f"{ratio:.2f}x its first steps' {_fmt(baseline_norm)} (a collapse below {ratio_bar:g}x) while their median "
+        f"loss {_fmt(loss)} covered {p:.1%} of the way from the initial {_fmt(initial_loss)} to the floor "
+        f"{_fmt(loss_floor)} (under {cfg.collapse_max_progress:.0%}): a flat region far from a minimum",
+        value=ratio, threshold=ratio_bar, onset_step=0,
     )
 
 

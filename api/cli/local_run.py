@@ -99,6 +99,7 @@ class LocalAttempt:
             resumed_from_id=self.resumed_from.id if self.resumed_from is not None else None,
             rewarm_steps=self.spec.rewarm_steps,
             pending_probe=self.spec.lr_probe if self.lr_probe is None else None,  # lr_probe: the probe's result
+            probe_steps=int((self.lr_probe or {}).get("steps_run") or 0),
         )
 
     def to_dict(self, checkpoints: Sequence[CheckpointRecord]) -> dict[str, Any]:

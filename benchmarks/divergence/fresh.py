@@ -8,7 +8,8 @@ worker), under ``none`` and ``ballast``, beside its reference (the same model an
 A scenario that has been looked at is no longer fresh: BENCHMARKS.md says which were used to change what. With no
 NAME the first set runs; ``--set 2026-12-05`` runs the second (``SCENARIOS_2026_12_05``: six unstable recipes, three
 healthy controls), ``--set 2026-12-06``, ``--set 2026-12-06b`` and ``--set 2026-12-06c`` the third to fifth
-(``SCENARIOS_2026_12_06``, ``..._06B``, ``..._06C``, the same shape); their names are also accepted one by one.
+(``SCENARIOS_2026_12_06``, ``..._06B``, ``..._06C``, the same shape), ``--set 2026-12-06d`` the sixth (eight
+unstable, three controls); their names are also accepted one by one.
 """
 
 from __future__ import annotations
@@ -178,6 +179,40 @@ SCENARIOS_2026_12_06C: dict[str, tuple[dict[str, Any], float]] = {
     "control-linear-sgd-cond10": (_recipe({"name": "linear"}, {"name": "regression", "dim": 16, "condition": 10.0},
                                           {"name": "sgd", "lr": 0.05}), 0.05),
 }
+SCENARIOS_2026_12_06D: dict[str, tuple[dict[str, Any], float]] = {
+    # written on 2026-12-06 (a fourth set that day) before running any of them: a deep narrow transformer, wider
+    # attention at a long context, two separate spikes, a poisoned batch at the very end, a two-layer GRU under
+    # heavy SGD, Adam on a badly conditioned least-squares problem, a long run at a high LR, and a tiny Adam epsilon
+    "gpt-8layer-adamw-no-warmup": (_recipe(_gpt(32, n_layers=8), MARKOV, {"name": "adamw", "lr": 0.02}), 0.002),
+    "gpt-4head-context32-high": ({**_recipe({**_gpt(64, n_heads=4), "context": 32},
+                                            {**MARKOV, "seq_len": 32}, {"name": "adamw", "lr": 0.04}, warmup=10)},
+                                 0.003),
+    "gpt-two-grad-spikes": ({**_recipe(_gpt(48), MARKOV, {"name": "adamw", "lr": 0.003}, warmup=10,
+                                       clipping=NO_CLIP),
+                             "faults": [{"type": "grad_scale", "step": 40, "factor": 1e3},
+                                        {"type": "grad_scale", "step": 100, "factor": 1e3}]}, FAULTS_OFF),
+    "mlp-poisoned-at-the-end": ({**_recipe({"name": "deep_mlp", "depth": 4, "width": 64},
+                                           {"name": "regression", "dim": 16}, {"name": "adam", "lr": 0.003}),
+                                 "faults": [{"type": "batch_scale", "step": 146, "factor": 1e4}]}, FAULTS_OFF),
+    "gru-2layer-sgd-high": (_recipe({"name": "rnn", "cell": "gru", "hidden": 32, "layers": 2},
+                                    {"name": "sequence", "task": "running_sum", "seq_len": 16, "dim": 4},
+                                    {"name": "sgd", "lr": 4.0, "momentum": 0.9}, clipping=NO_CLIP), 0.1),
+    "linear-adam-cond1e4": (_recipe({"name": "linear"}, {"name": "regression", "dim": 32, "condition": 1e4},
+                                    {"name": "adam", "lr": 0.5}), 0.01),
+    "gpt-300-steps-adamw-high": ({**_recipe(_gpt(48), MARKOV, {"name": "adamw", "lr": 0.05}),
+                                  "training": {"max_steps": 300, "batch_size": 16, "seed": 13}}, 0.002),
+    "gpt-adam-tiny-eps-high": (_recipe(_gpt(64), MARKOV, {"name": "adam", "lr": 0.02, "eps": 1e-12}, warmup=5),
+                               0.002),
+    # healthy controls: the reference is the run itself; ballast should leave them alone (1 attempt)
+    "control-gpt-8layer-low": (_recipe(_gpt(32, n_layers=8), MARKOV, {"name": "adamw", "lr": 0.001}, warmup=15),
+                               0.001),
+    "control-gru-2layer-adam": (_recipe({"name": "rnn", "cell": "gru", "hidden": 32, "layers": 2},
+                                        {"name": "sequence", "task": "running_sum", "seq_len": 16, "dim": 4},
+                                        {"name": "adam", "lr": 0.003}), 0.003),
+    "control-mlp-gelu-adamw-decay": (_recipe({"name": "deep_mlp", "depth": 6, "width": 64, "activation": "gelu"},
+                                             {"name": "regression", "dim": 16},
+                                             {"name": "adamw", "lr": 0.001, "weight_decay": 0.1}), 0.001),
+}
 POLICIES = {"none": {"max_retries": 0}, "ballast": {}}
 
 
@@ -220,9 +255,10 @@ def run(doc: dict[str, Any], recovery: dict[str, Any]) -> dict[str, Any]:
 def main(names: list[str]) -> None:
     torch.set_num_threads(1)
     sets = {"2026-12-05": SCENARIOS_2026_12_05, "2026-12-06": SCENARIOS_2026_12_06,
-            "2026-12-06b": SCENARIOS_2026_12_06B, "2026-12-06c": SCENARIOS_2026_12_06C}
+            "2026-12-06b": SCENARIOS_2026_12_06B, "2026-12-06c": SCENARIOS_2026_12_06C,
+            "2026-12-06d": SCENARIOS_2026_12_06D}
     every = {**SCENARIOS, **SCENARIOS_2026_12_05, **SCENARIOS_2026_12_06, **SCENARIOS_2026_12_06B,
-             **SCENARIOS_2026_12_06C}
+             **SCENARIOS_2026_12_06C, **SCENARIOS_2026_12_06D}
     if names[:1] == ["--set"]:
         names = list(sets[names[1]]) + names[2:]
     for name in names or list(SCENARIOS):

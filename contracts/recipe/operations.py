@@ -125,6 +125,12 @@ class Recovery(Section):
     the same settings (what Ray Train's FailureConfig and torchrun do; a baseline for benchmarks)."""
     max_retries: StrictInt = Field(default=3, ge=0, le=100)
     """Retries after numeric divergence before the run fails."""
+    step_budget: StrictFloat | None = Field(default=3.0, ge=1.0, le=100.0)
+    """The steps a run may execute across all its attempts, LR probes included, as a multiple of
+    training.max_steps: a numeric retry that could need more than is left is not started, and the run fails saying
+    so. Each retry from initialisation trains a whole run again, so a run that no tightening rescues (a fresh
+    scenario whose every LR diverged spent 3.6x its steps on four attempts) is bounded by this as well as by
+    max_retries. None: no bound."""
     max_crash_restarts: StrictInt = Field(default=3, ge=0, le=100)
     """Restarts after crashes (worker died, OOM, exception), counted separately."""
     rollback_margin_steps: StrictInt = Field(default=0, ge=0)

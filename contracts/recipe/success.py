@@ -34,6 +34,17 @@ class Success(Section):
     from the initial loss to the floor since the last improvement that counted. On a flat, noisy plateau the
     smoothed loss touches a marginally lower best now and then by chance; each such touch restarted the stall clock.
     0: any new best counts."""
+    collapse_ratio: StrictFloat | None = Field(default=0.4, gt=0.0, lt=1.0)
+    """Knocked flat (a fresh start, only where the data's loss floor is known, in the first half of the run): the
+    median pre-clip gradient norm of the last loss-EMA horizon (1/ema_alpha steps) has fallen below this fraction
+    of the median of the first five steps while the median loss of those steps has covered less than
+    collapse_max_progress of the way from the initial loss to the floor. A healthy run's gradients shrink as its
+    loss approaches a minimum; ones that shrink while the loss is still near where it started mean a too-high LR
+    pushed the model into a flat region (saturated softmax, LayerNorm or units), where it descends slowly and ends
+    under-trained without any spike. The attempt ends there and, like a stalled one, starts again with a lower LR.
+    None turns the rule off."""
+    collapse_max_progress: StrictFloat = Field(default=0.25, gt=0.0, le=1.0)
+    """The share of the way to the floor below which a gradient collapse counts (see collapse_ratio)."""
     eval_regression_tolerance: StrictFloat | None = Field(default=0.1, ge=0.0, le=10.0)
     """With training.eval_interval: the final held-out (eval) loss may be at most this fraction above the best eval
     loss of the lineage, and must be below the first one (measured before any update); None: the eval loss is

@@ -12,7 +12,10 @@ a ``RecoveryPlan`` becomes a new attempt (``kind``, ``parent_checkpoint_id``, ``
 Policy (all knobs are the recipe's ``recovery`` section, read from the *effective* recipe):
 
 Budgets. Numeric retries (``kind == "numeric_retry"``) and crash restarts (``"crash_restart"``) are counted
-separately, over the attempts since the newest ``manual`` one (a manual retry grants fresh budgets).
+separately, over the attempts since the newest ``manual`` one (a manual retry grants fresh budgets). Steps too
+(``step_budget``): a numeric retry is not started when the steps those attempts executed (probes included) plus the
+most the retry could execute (its probe's steps, then from its resume step to ``max_steps``) exceed the budget; a
+crash restart is not held to it (the run is not at fault, and it resumes where the crash left off).
 
 Lineage. The checkpoints an attempt may resume from are those of its *lineage*: its own, then those of the
 attempt it resumed from up to the step it resumed at (``resumed_from_id``; when unknown, the previous attempt
@@ -42,8 +45,8 @@ with the same settings, the baseline other systems apply):
   the recurrence test (it reverts every change), and the cut candidates train only once it has failed, i.e. once
   the divergence has recurred (a x1e4 gradient spike that recurred at step 60 of a 150-step run took three
   attempts when the cut LR alone followed the failed replay, two with the clip too). ``both`` tightens both every
-  retry. After a run that never learned, or a divergence in its first 10% of steps, the LR moves by
-  ``lr_factor²`` (halving is a guess that rarely suffices there).
+  retry. After a run that never learned, stalled or collapsed, or a divergence in its first 10% of steps, the LR
+  moves by ``lr_factor²`` (halving is a guess that rarely suffices there).
 - Warmup (``warmup_change``): a divergence in the first 10% of steps of a run without warmup adds one (10% of
   max_steps, at least 10 steps); one during or right after the warmup doubles it; either way the peak LR is
   lowered too.
@@ -155,6 +158,14 @@ class AttemptRecord:
     """The re-warm its plan asked for."""
     pending_probe: ProbePlan | None = None
     """The LR probe its plan asked for, while no choice is recorded (it had not finished)."""
+    probe_steps: int = 0
+    """Steps its LR probe trained (0: it ran none, or the probe's result was not recorded)."""
+
+    @property
+    def steps_executed(self) -> int:
+        """Steps it trained, its probe's included (a crash before any step reported: 0)."""
+        end = self.final_step if self.final_step is not None else self.start_step
+        return max(0, end - self.start_step) + self.probe_steps
 
     def __post_init__(self) -> None:
         if self.kind not in ATTEMPT_KINDS:
@@ -167,6 +178,8 @@ class AttemptRecord:
             raise ValueError(f"AttemptRecord.start_step: must be >= 0, got {self.start_step}")
         if self.data_offset < 0:
             raise ValueError(f"AttemptRecord.data_offset: must be >= 0, got {self.data_offset}")
+        if self.probe_steps < 0:
+            raise ValueError(f"AttemptRecord.probe_steps: must be >= 0, got {self.probe_steps}")
 
 
 @dataclass(frozen=True)
@@ -308,20 +321,43 @@ def decide(
     if last.outcome in ("succeeded", "cancelled", "config_error"):
         # a config error is not recovered from: no retry can fix the recipe (the run fails, see rules.py)
         raise ValueError(f"history[-1].outcome: attempt {last.number} {last.outcome}; there is nothing to recover")
-    since_manual = list(history)
-    for i in range(len(history) - 1, -1, -1):
-        if history[i].kind == "manual":
-            since_manual = list(history[i + 1 :])
-            break
+    budgeted = since_manual(history)
     eff = effective_recipe(recipe, last.overrides)
     lineage = _lineage(history, checkpoints)
     if last.outcome == "crashed":
-        used = sum(1 for a in since_manual if a.kind == "crash_restart")
+        used = sum(1 for a in budgeted if a.kind == "crash_restart")
         return _crash_restart(eff, last, lineage, used)
-    used = sum(1 for a in since_manual if a.kind == "numeric_retry")
+    used = sum(1 for a in budgeted if a.kind == "numeric_retry")
     if eff.recovery.strategy is RecoveryStrategy.restart_latest:
         return _restart_latest(eff, last, lineage, used)
     return _numeric_retry(recipe, eff, history, last, lineage, used)
+
+
+def since_manual(history: Sequence[AttemptRecord]) -> list[AttemptRecord]:
+    """The attempts the budgets count: those after the newest ``manual`` retry (which grants fresh ones)."""
+    for i in range(len(history) - 1, -1, -1):
+        if history[i].kind == "manual":
+            return list(history[i + 1 :])
+    return list(history)
+
+
+def over_step_budget(
+    budget: float | None, max_steps: int, budgeted: Sequence[AttemptRecord], *, resume_step: int,
+    probe: ProbePlan | None,
+) -> str | None:
+    """Why a numeric retry resuming at ``resume_step`` with ``probe`` would overrun ``step_budget`` (a multiple of
+    ``max_steps``) after the ``budgeted`` attempts, or None when it fits (or there is no budget). The retry is
+    charged the most it could execute, so a run never ends past its budget."""
+    if budget is None:
+        return None
+    allowed = int(budget * max_steps)
+    spent = sum(a.steps_executed for a in budgeted)
+    need = max(0, max_steps - resume_step) + (probe.max_steps if probe is not None else 0)
+    if spent + need <= allowed:
+        return None
+    return (f"step budget exhausted: the attempts so far executed {spent} steps and the retry from step "
+            f"{resume_step} could need {need} more, past the budget of {allowed} ({budget:g}x max_steps "
+            f"{max_steps}; recovery.step_budget)")
 
 
 def _restart_latest(
@@ -430,6 +466,10 @@ def _numeric_retry(
         changes = [*changes, *on_recurrence.changes]
         texts.append(f"{on_recurrence.text} (with the cut LR, should the replay show it recurs)")
         probe = probe_plan(eff, changes, replay_through=replay)
+    over = over_step_budget(rec.step_budget, eff.training.max_steps, since_manual(history),
+                            resume_step=resume_step, probe=probe)
+    if over is not None:
+        return GiveUp(f"{_ended(last, onset)}; {over}")
     overrides = _cumulative(recipe, last, changes)
     # a re-warm eases a *changed* step size in; a dtype switch alone keeps the LR and its schedule as they were
     rewarm = 0 if all(c.path == DTYPE for c in changes) else rec.rewarm_steps

@@ -24,13 +24,13 @@ WARMUP = "schedule.warmup_steps"
 WARMUP_FRACTION = "schedule.warmup_fraction"
 
 LOSS_KINDS = frozenset({"divergence", "loss_spike", "degraded", "eval_degraded", "never_learned", "stalled",
-                        "oscillation", "above_bar", "nonfinite", "loss_scale_collapse"})
+                        "collapsed", "oscillation", "above_bar", "nonfinite", "loss_scale_collapse"})
 """Ends whose evidence is the loss (or a non-finite value): the step size is too large, so the LR goes first."""
 GRADIENT_KINDS = frozenset({"grad_norm_spike", "skip_escalation"})
 """Ends whose evidence is the gradient alone: a transient spike, so the clip threshold goes first."""
 HOPELESS_KINDS = frozenset({"vanishing", "vanishing_gradients"})
 """Ends that no tightening of LR or clip can fix: the run fails with the diagnosis."""
-NO_PROGRESS_KINDS = frozenset({"never_learned", "stalled"})
+NO_PROGRESS_KINDS = frozenset({"never_learned", "stalled", "collapsed"})
 """Ends after which halving the LR is a guess that rarely suffices: it moves by the factor squared (a run that
 stopped learning at its LR, rather than one that spiked, was not near the edge of stability but well past it)."""
 EARLY_FRACTION = 0.1

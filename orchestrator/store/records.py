@@ -102,6 +102,7 @@ def attempt_record(attempt: Attempt, outcome: AttemptState | None = None) -> Att
         resumed_from_id=attempt.parent_checkpoint_id,
         rewarm_steps=int((attempt.plan or {}).get("rewarm_steps") or 0),
         pending_probe=ProbePlan.from_plan(attempt.plan),
+        probe_steps=int(((attempt.plan or {}).get("lr_probe") or {}).get("steps_run") or 0),
     )
 
 

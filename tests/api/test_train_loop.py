@@ -132,3 +132,19 @@ def test_a_probed_lr_is_the_attempts_and_the_next_retry_tightens_from_it(tmp_pat
     cut = probe["chosen"] * 0.5  # a NaN loss 25 steps in: the LR is halved, from the LR the probe chose
     assert third["lr_probe"]["candidates"][0] == pytest.approx(cut) and third["start_step"] == 20
     assert third["overrides"]["optimizer.lr"] == [1.0, third["lr_probe"]["chosen"]]
+
+
+def test_a_retry_past_the_step_budget_is_not_started_and_the_probes_steps_count(tmp_path: Path) -> None:
+    """The probed run above, held to 1.6x its 40 steps: the third attempt (from step 20, with a probe) could take it
+    past 64 steps, so the run gives up, and what it says was spent includes the second attempt's probe."""
+    doc = recipe_doc(EXPLODING_RNN, name="budgeted", schedule={"warmup_steps": 0, "decay": "constant"},
+                     recovery={"rewarm_steps": 0, "step_budget": 1.6, "lr_probe": {"mode": "on", "steps": 6}},
+                     faults=[{"type": "nan_loss", "step": 25, "attempt": 2}])
+    res = train(write(tmp_path, doc), "--json")
+    assert res.exit_code == 1, res.output
+    out = json.loads(res.stdout)
+    first, second = out["attempts"]
+    assert second["outcome"] == "diverged" and second["lr_probe"]["steps_run"] > 0
+    spent = first["final_step"] + second["lr_probe"]["steps_run"] + (second["final_step"] - second["start_step"])
+    assert f"step budget exhausted: the attempts so far executed {spent} steps" in out["gave_up"]
+    assert "budget of 64 (1.6x max_steps 40; recovery.step_budget)" in out["gave_up"]

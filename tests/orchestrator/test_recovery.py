@@ -437,6 +437,54 @@ def test_a_manual_retry_grants_fresh_budgets() -> None:
     assert isinstance(decide(r, history, EVERY_100), RecoveryPlan)
 
 
+@pytest.mark.parametrize(
+    ("budget", "attempt_steps", "probe_steps", "planned"),
+    [
+        # max_steps 2000; the retry resumes from initialisation (onset 5: no checkpoint before it) and so could
+        # need 2000 steps plus its probe (tighten: lr 1e-3 → 2.5e-4 at an early divergence; probe off here)
+        (3.0, [5, 2000], 0, True),           # 2005 spent + 2000 = 4005 <= 6000
+        (3.0, [5, 2000, 1996], 0, False),     # 4001 + 2000 > 6000
+        (3.0, [5, 1996], 2000, False),        # a probe's steps count too: 4001 + 2000 > 6000
+        (3.0, [2000, 2000], 0, True),         # exactly at the budget: 4000 + 2000 = 6000
+        (None, [5, 2000, 1996, 2000], 0, True),  # no budget: only max_retries bounds it
+    ],
+)
+def test_a_retry_that_could_overrun_the_step_budget_is_not_started(
+    budget: float | None, attempt_steps: list[int], probe_steps: int, planned: bool
+) -> None:
+    r = recipe(recovery={"step_budget": budget, "max_retries": 10, "lr_probe": {"mode": "off"}})
+    history = [AttemptRecord(number=n, kind="initial" if n == 1 else "numeric_retry", outcome="diverged",
+                             start_step=0, onset_step=5, final_step=steps, detector="divergence",
+                             probe_steps=probe_steps if n == 2 else 0)
+               for n, steps in enumerate(attempt_steps, start=1)]
+    out = decide(r, history, cps(1, [0]))
+    assert isinstance(out, RecoveryPlan) is planned, out
+    if not planned:
+        spent = sum(attempt_steps) + probe_steps
+        assert isinstance(out, GiveUp)
+        assert out.reason.endswith(
+            f"step budget exhausted: the attempts so far executed {spent} steps and the retry from step 0 could "
+            "need 2000 more, past the budget of 6000 (3x max_steps 2000; recovery.step_budget)"), out.reason
+
+
+def test_the_step_budget_charges_the_retry_its_probe_and_counts_from_the_newest_manual_retry() -> None:
+    r = recipe(training={"max_steps": 200}, recovery={"max_retries": 10, "step_budget": 2.0})
+    history = [AttemptRecord(number=1, kind="initial", outcome="diverged", start_step=0, onset_step=150,
+                             final_step=150, detector="divergence")]
+    every_25 = cps(1, range(0, 200, 25))
+    p = plan(r, history, every_25)  # resumes at 150 with a probe of 3 x 13 steps: 150 + 50 + 39 <= 400
+    assert p.resume_step == 150 and p.lr_probe is not None and p.lr_probe.max_steps == 39
+    late = [replace(history[0], final_step=312 + 1, onset_step=150)]  # 313 spent: 313 + 50 + 39 > 400
+    assert "step budget exhausted" in give_up(r, late, every_25).reason
+    assert isinstance(decide(r, [*late, diverged(2, 150, kind="manual", start=0)], every_25), RecoveryPlan)
+
+
+def test_crash_restarts_are_not_held_to_the_step_budget() -> None:
+    r = recipe(recovery={"step_budget": 1.0})
+    history = [diverged(1, 1000, start=0), crashed(2, kind="numeric_retry", start=800, final_step=1990)]
+    assert plan(r, history, EVERY_100).kind == "crash_restart"
+
+
 def test_crash_budget_is_separate_from_the_numeric_budget() -> None:
     r = recipe(recovery={"max_retries": 1, "max_crash_restarts": 2})
     history = [diverged(1, 100), diverged(2, 150, kind="numeric_retry", start=100)]
@@ -694,11 +742,13 @@ def test_no_progress_or_an_early_blow_up_lowers_the_lr_by_the_factor_squared() -
     assert late.overrides["optimizer.lr"] == (0.01, pytest.approx(0.005))
 
 
-def test_a_stalled_run_starts_again_from_initialisation_with_the_lr_cut_by_the_factor_squared() -> None:
-    """A stall far from the floor (the verdict's onset: the attempt's start) is a run that never really learned
-    at its LR: the checkpoints it wrote do not qualify, and the LR moves like after never learning."""
-    r = recipe(optimizer={"lr": 0.2})
-    stalled = plan(r, [diverged(1, 0, detector="stalled")], EVERY_100)
+@pytest.mark.parametrize("kind", ["stalled", "collapsed"])
+def test_a_stalled_run_starts_again_from_initialisation_with_the_lr_cut_by_the_factor_squared(kind: str) -> None:
+    """A stall far from the floor, or gradients that collapsed near the start (the verdict's onset: the attempt's
+    start), is a run that never really learned at its LR: the checkpoints it wrote do not qualify, and the LR moves
+    like after never learning. A loss kind: the LR goes first even for SGD, whose fallback is the clip."""
+    r = recipe(optimizer={"name": "sgd", "lr": 0.2}, clipping={"method": "none"})
+    stalled = plan(r, [diverged(1, 0, detector=kind)], EVERY_100)
     assert stalled.resume_step == 0 and (stalled.resume_from is None or stalled.resume_from.step == 0)
     assert stalled.overrides["optimizer.lr"] == (0.2, pytest.approx(0.05))
     assert "clipping.method" not in stalled.overrides  # a loss kind: the LR goes first

@@ -127,8 +127,11 @@ def test_a_stored_outcome_with_an_end_event_and_the_verdict_on_top() -> None:
     att.plan = {"rewarm_steps": 20, "lr_probe": probe}  # the probe had not chosen when the attempt ended
     rec = attempt_record(att)
     assert (rec.rewarm_steps, rec.pending_probe) == (20, ProbePlan(candidates=(0.05, 0.0125), steps=10))
-    att.plan = {"rewarm_steps": 20, "lr_probe": {**probe, "chosen": 0.0125}}
-    assert attempt_record(att).pending_probe is None
+    assert (rec.probe_steps, rec.steps_executed) == (0, 20)  # steps 10 → 30, no probe result yet
+    att.plan = {"rewarm_steps": 20, "lr_probe": {**probe, "chosen": 0.0125, "steps_run": 17}}
+    rec = attempt_record(att)
+    assert rec.pending_probe is None
+    assert (rec.probe_steps, rec.steps_executed) == (17, 37)  # the step budget charges the probe's steps too
 
 
 def test_a_verdict_without_an_end_event() -> None:

@@ -349,7 +349,10 @@ def test_a_run_that_never_learns_is_stopped_at_the_early_check_not_succeeded(tmp
 
 PLATEAU: dict[str, Any] = {
     "model": {"d_model": 64}, "training": {"max_steps": 180, "batch_size": 16, "seed": 3},
-    "optimizer": {"lr": 0.2, "weight_decay": 0.01}, "schedule": {"warmup_steps": 40}, "success": DEFAULT_SUCCESS,
+    "optimizer": {"lr": 0.2, "weight_decay": 0.01}, "schedule": {"warmup_steps": 40},
+    # its gradients also collapse on the way up (step ~43), which ends it sooner by default; these tests are about
+    # the stall rule, which catches a plateau whatever its gradients do
+    "success": {**DEFAULT_SUCCESS, "collapse_ratio": None},
 }
 
 
@@ -372,6 +375,31 @@ def test_a_run_that_stalls_far_from_its_floor_is_stopped_not_succeeded(tmp_path:
     assert safe.outcome == "succeeded", safe.reason
 
 
+COLLAPSE: dict[str, Any] = {
+    "model": {"d_model": 48}, "training": {"max_steps": 80, "batch_size": 16, "seed": 13},
+    "optimizer": {"lr": 0.05}, "schedule": {"warmup_steps": 0, "decay": "cosine"}, "success": DEFAULT_SUCCESS,
+}
+
+
+def test_a_run_whose_gradients_collapse_far_from_its_floor_is_stopped_not_succeeded(tmp_path: Path) -> None:
+    """AdamW at 0.05 without warmup on tiny_gpt d48: the first steps knock the model flat. Its gradient norm falls
+    to a third of its first steps' while the loss has barely left its start (unguarded it then descends slowly and
+    ends under-trained, with no spike for a loss rule). The collapse rule stops it once a window of 20 steps shows
+    both, long before the stall rule could; the same model at a safe LR passes."""
+    sink = ListSink()
+    res = run(make_recipe(**COLLAPSE), tmp_path / "collapsed", sink)
+    assert res.outcome == "diverged" and res.detector == "collapsed", res.reason
+    assert res.onset_step == 0 and 20 <= res.final_step <= 40
+    [anomaly] = [a for a in sink.of_type("anomaly") if a["detector"] == "verdict"]
+    assert anomaly["kind"] == "collapsed" and anomaly["value"] < anomaly["threshold"] == 0.4
+    window = res.final_step - 20
+    first, last = sorted(res.grad_norms[:5])[2], sorted(res.grad_norms[window:res.final_step])[10]
+    assert last < 0.4 * first  # what the rule read, recomputed from the attempt's own numbers
+    assert sorted(res.losses[window:res.final_step])[10] > 3.45 - 0.25 * (3.45 - 1.245)  # barely on its way
+    safe = run(make_recipe(**{**COLLAPSE, "optimizer": {"lr": 2e-3}}), tmp_path / "safe")
+    assert safe.outcome == "succeeded", safe.reason
+
+
 def _stall_steps(reason: str) -> tuple[int, int]:
     """The best step a stall's reason names, and the step its clock ran from (the best unless it says since)."""
     best_step = int(reason.split("(step ")[1].split(")")[0])
@@ -385,7 +413,7 @@ def test_the_stall_clock_counts_from_the_last_improvement_that_counted(tmp_path:
     and the clock runs from the last 10% gain, not from them, so the run is stopped sooner, 40 steps after the step
     its reason names."""
     sink = ListSink()
-    recipe = make_recipe(**{**PLATEAU, "success": {**DEFAULT_SUCCESS, "stall_min_gain": 0.1}})
+    recipe = make_recipe(**{**PLATEAU, "success": {**PLATEAU["success"], "stall_min_gain": 0.1}})
     res = run(recipe, tmp_path / "gain", sink)
     assert res.outcome == "diverged" and res.detector == "stalled", res.reason
     [anomaly] = [a for a in sink.of_type("anomaly") if a["detector"] == "verdict"]
@@ -393,7 +421,7 @@ def test_the_stall_clock_counts_from_the_last_improvement_that_counted(tmp_path:
     best_step, since = _stall_steps(reason)
     assert "less than 10% of the way to the floor for 40 steps (since step " in reason
     assert since < best_step and res.final_step == since + 40
-    plain = run(make_recipe(**{**PLATEAU, "success": {**DEFAULT_SUCCESS, "stall_min_gain": 0.0}}), tmp_path / "any")
+    plain = run(make_recipe(**{**PLATEAU, "success": {**PLATEAU["success"], "stall_min_gain": 0.0}}), tmp_path / "any")
     assert plain.detector == "stalled" and plain.final_step > res.final_step
 
 

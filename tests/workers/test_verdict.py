@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 import pytest
 
@@ -10,6 +11,7 @@ from contracts.recipe import Action, Success
 from contracts.wire import ANOMALY_KINDS
 from workers.detectors import Finding
 from workers.verdict import (
+    COLLAPSED,
     DEGRADED,
     EVAL_DEGRADED,
     NEVER_LEARNED,
@@ -19,8 +21,10 @@ from workers.verdict import (
     EvalEvidence,
     Evidence,
     Verdict,
+    collapse_window,
     early_check_step,
     final_loss,
+    judge_collapse,
     judge_end,
     judge_progress,
     judge_stall,
@@ -230,6 +234,61 @@ def test_the_stall_bar_is_the_recipes() -> None:
     strict = Success(stall_max_progress=0.9)
     assert judge_stall(strict, ev(None, best=2.0, best_step=30), step=200, patience=40).kind == STALLED
     assert judge_stall(CFG, ev(None, best=2.0, best_step=30), step=200, patience=40).healthy
+
+
+# ---------------------------------------------------------------------------------------------- collapse
+def collapse(norm: float, loss: float, *, step: int = 40, max_steps: int = 300, baseline: float | None = 1.7,
+             floor: float | None = 1.25, cfg: Success = CFG) -> Verdict:
+    """The rule over a window of 20 steps whose every norm is ``norm`` and every loss ``loss``; the initial loss
+    is 3.45, so the way to the floor is 2.2 (a quarter of it: down to 2.90)."""
+    return judge_collapse(cfg, step=step, max_steps=max_steps, baseline_norm=baseline, norms=[norm] * 20,
+                          losses=[loss] * 20, initial_loss=3.45, loss_floor=floor)
+
+
+@pytest.mark.parametrize(
+    ("norm", "loss", "kwargs", "kind"),
+    [
+        (0.34, 3.35, {}, COLLAPSED),                  # 0.2x the first steps' norm, 5% of the way: flat, far off
+        (0.67, 3.35, {}, COLLAPSED),                  # 0.39x: just under the bar
+        (0.69, 3.35, {}, None),                        # 0.41x: gradients at their scale
+        (0.34, 2.85, {}, None),                        # 27% of the way: gradients shrank with the loss
+        (0.34, 2.95, {}, COLLAPSED),                   # 23%
+        (0.34, 3.35, {"step": 151}, None),             # past half the run: the stall rule's ground
+        (0.34, 3.35, {"step": 150}, COLLAPSED),        # half the run is still inside
+        (0.34, 3.35, {"floor": None}, None),           # no known floor, no rule (as for a stall)
+        (0.34, 3.35, {"baseline": None}, None),        # no finite norm in the first steps
+        (0.34, 3.35, {"cfg": Success(collapse_ratio=None)}, None),                # off
+        (0.69, 3.35, {"cfg": Success(collapse_ratio=0.5)}, COLLAPSED),           # the recipe's bar
+        (0.34, 2.85, {"cfg": Success(collapse_max_progress=0.3)}, COLLAPSED),     # ... and its progress bar
+    ],
+)
+def test_judge_collapse(norm: float, loss: float, kwargs: dict[str, Any], kind: str | None) -> None:
+    v = collapse(norm, loss, **kwargs)
+    assert v.kind == kind, v.reason
+    if kind is not None:
+        assert v.onset_step == 0  # like a stall: every step so far ran at the LR that did it
+
+
+def test_the_collapse_rule_reads_medians_so_one_outlier_moves_neither_number() -> None:
+    norms, losses = [0.3] * 20, [3.35] * 20
+    norms[7], losses[7] = 50.0, 1.3  # one huge norm, one low loss: the medians do not move
+    v = judge_collapse(CFG, step=40, max_steps=300, baseline_norm=1.7, norms=norms, losses=losses,
+                       initial_loss=3.45, loss_floor=1.25)
+    assert v.kind == COLLAPSED
+    losses[:11] = [2.5] * 11  # most of the window well on its way: the loss is making progress
+    assert judge_collapse(CFG, step=40, max_steps=300, baseline_norm=1.7, norms=norms, losses=losses,
+                          initial_loss=3.45, loss_floor=1.25).healthy
+
+
+def test_the_collapse_reason_names_the_numbers() -> None:
+    v = collapse(0.34, 3.35)
+    assert v.reason.startswith("collapsed: by step 40 the median gradient norm 0.34 of the last 20 steps is 0.20x")
+    assert "first steps' 1.7" in v.reason and "3.35" in v.reason and "4.5% of the way" in v.reason
+    assert "initial 3.45" in v.reason and "floor 1.25" in v.reason and (v.value, v.threshold) == (0.2, 0.4)
+
+
+def test_the_collapse_window_is_the_loss_emas_horizon() -> None:
+    assert (collapse_window(0.05), collapse_window(0.1), collapse_window(0.03)) == (20, 10, 34)
 
 
 def test_final_loss_is_the_mean_of_the_last_finite_losses() -> None:
