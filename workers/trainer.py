@@ -189,6 +189,8 @@ class GuardedTrainer:
         self._stall_steps = stall_steps(r.success, max_steps=r.training.max_steps,
                                         ema_alpha=r.detectors.loss_spike.ema_alpha)
         self._collapse_window = collapse_window(r.detectors.loss_spike.ema_alpha)
+        self._loss_floor = r.success.loss_floor if r.success.loss_floor is not None else self.data.loss_floor
+        """The floor the verdict measures progress toward: the recipe's, else the data's own (None: unknown)."""
         self._progress_mark: tuple[int, float] | None = None
         """The stall clock (``verdict.progress_mark``). Not checkpointed: a resumed attempt starts it at the restored
         best, later than or at the lineage's mark, so a resume never makes the rule fire sooner."""
@@ -486,7 +488,7 @@ class GuardedTrainer:
             final_loss=final_loss(self.result.losses, self.recipe.success.window, start_step=self.start_step,
                                   skipped=self.result.skipped_steps),
             best_loss=summary.best, best_step=summary.best_step, initial_loss=summary.initial,
-            loss_floor=self.data.loss_floor, trivial_loss=self.data.trivial_loss, noise_std=summary.noise_std,
+            loss_floor=self._loss_floor, trivial_loss=self.data.trivial_loss, noise_std=summary.noise_std,
             vanishing=any(f["kind"] == "vanishing_gradients" for f in self.result.findings),
             start_step=self.start_step,
             progress_step=None if self._progress_mark is None else self._progress_mark[0],
@@ -501,12 +503,12 @@ class GuardedTrainer:
 
     def _stall_verdict(self, step: int) -> Verdict:
         """The stall rule after ``step`` completed steps; cheap until the best is ``_stall_steps`` old."""
-        if self._stall_steps is None or self.data.loss_floor is None:
+        if self._stall_steps is None or self._loss_floor is None:
             return Verdict(None, "off")
         summary = self.detectors.loss_summary()
         self._progress_mark = progress_mark(self._progress_mark, best_step=summary.best_step,
                                             best_loss=summary.best, initial=summary.initial,
-                                            floor=self.data.loss_floor, min_gain=self.recipe.success.stall_min_gain)
+                                            floor=self._loss_floor, min_gain=self.recipe.success.stall_min_gain)
         if self._progress_mark is None or step - max(self._progress_mark[0], self.start_step) < self._stall_steps:
             return Verdict(None, "improving")
         return judge_stall(self.recipe.success, self._evidence(), step=step, patience=self._stall_steps)
@@ -529,7 +531,7 @@ class GuardedTrainer:
             baseline_norm=statistics.median(baseline) if baseline else None,
             norms=finite(res.grad_norms[step - window:step], step - window),
             losses=[x for x in res.losses[step - window:step] if math.isfinite(x)],
-            initial_loss=self.detectors.loss_summary().initial, loss_floor=self.data.loss_floor,
+            initial_loss=self.detectors.loss_summary().initial, loss_floor=self._loss_floor,
         )
 
     def _judged(self, verdict: Verdict) -> bool:

@@ -49,5 +49,10 @@ class Success(Section):
     """With training.eval_interval: the final held-out (eval) loss may be at most this fraction above the best eval
     loss of the lineage, and must be below the first one (measured before any update); None: the eval loss is
     recorded but never judged. The eval batches are the same every time, so there is no batch noise to allow for."""
+    loss_floor: StrictFloat | None = Field(default=None, ge=0.0)
+    """The lowest loss your data allows, in the loss's units, when you know it (e.g. an estimate of its entropy for
+    a language model's cross-entropy): the floor the progress rules measure the way toward. Built-in data knows its
+    own (this replaces it); user data has none, and then progress is measured toward 0 and the rules that need a
+    floor (stall, collapse) are off."""
     max_final_loss: StrictFloat | None = Field(default=None)
     """Your own bar: the final loss must be at most this (None: no bar)."""

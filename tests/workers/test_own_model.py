@@ -532,3 +532,14 @@ def test_ddp_on_dict_batches_with_powersgd_resumes_exactly(tmp_path: Path) -> No
     assert straight["outcome"] == resumed["outcome"] == "succeeded" and resumed["start_step"] == 8
     assert resumed["losses"] == straight["losses"][8:]  # priming ran the dict batch through DDP(**batch)
     assert out["classifier"]["outcome"] == "succeeded" and len(out["classifier"]["losses"]) == 10
+
+
+def test_your_data_has_no_loss_floor_unless_the_recipe_gives_one(tmp_path: Path) -> None:
+    """A user dataset has no known floor, so progress is measured toward 0 and the floor rules are off; a recipe
+    that knows its data's floor (``success.loss_floor``) gives one, and the verdict measures the way to it. Shown by
+    an LR far too small to learn: stopped at the early check either way, its reason naming the floor it used."""
+    never = {"optimizer": {"lr": 1e-9}, "success": {"min_progress": 0.25, "early_min_progress": 0.05}}
+    unknown = run(make_recipe(**never), tmp_path / "unknown")
+    assert unknown.detector == "never_learned" and "to its floor" in unknown.reason, unknown.reason
+    given = run(make_recipe(**{**never, "success": {**never["success"], "loss_floor": 0.3}}), tmp_path / "given")
+    assert given.detector == "never_learned" and "to the floor 0.3 " in given.reason, given.reason
