@@ -8,8 +8,8 @@ worker), under ``none`` and ``ballast``, beside its reference (the same model an
 A scenario that has been looked at is no longer fresh: BENCHMARKS.md says which were used to change what. With no
 NAME the first set runs; ``--set 2026-12-05`` runs the second (``SCENARIOS_2026_12_05``: six unstable recipes, three
 healthy controls), ``--set 2026-12-06``, ``--set 2026-12-06b`` and ``--set 2026-12-06c`` the third to fifth
-(``SCENARIOS_2026_12_06``, ``..._06B``, ``..._06C``, the same shape), ``--set 2026-12-06d`` the sixth (eight
-unstable, three controls); their names are also accepted one by one.
+(``SCENARIOS_2026_12_06``, ``..._06B``, ``..._06C``, the same shape), ``--set 2026-12-06d`` the sixth and
+``--set 2026-12-06e`` the seventh (eight unstable, three controls each); their names are also accepted one by one.
 """
 
 from __future__ import annotations
@@ -213,6 +213,36 @@ SCENARIOS_2026_12_06D: dict[str, tuple[dict[str, Any], float]] = {
                                              {"name": "regression", "dim": 16},
                                              {"name": "adamw", "lr": 0.001, "weight_decay": 0.1}), 0.001),
 }
+SCENARIOS_2026_12_06E: dict[str, tuple[dict[str, Any], float]] = {
+    # written on 2026-12-06 (a fifth set that day) after the collapse rule, which the sixth set (above) led to, and
+    # before running any of them: held out from that rule. More high-LR transformers of other shapes (the rule's
+    # family), with QK layer norm and a z-loss (the usual cures), a small batch, a gated recurrence and a deep MLP
+    # at high LRs, and a two-step NaN burst
+    "gpt-d96-adam-no-warmup": (_recipe(_gpt(96), MARKOV, {"name": "adam", "lr": 0.03}), 0.002),
+    "gpt-3layer-adamw-warmup10-high": (_recipe(_gpt(48, n_layers=3), MARKOV, {"name": "adamw", "lr": 0.08},
+                                               warmup=10), 0.003),
+    "gpt-qk-layernorm-high": (_recipe(_gpt(64, qk_layernorm=True), MARKOV, {"name": "adamw", "lr": 0.05}), 0.002),
+    "gpt-batch4-adamw": ({**_recipe(_gpt(48), MARKOV, {"name": "adamw", "lr": 0.02}),
+                          "training": {"max_steps": 150, "batch_size": 4, "seed": 17}}, 0.002),
+    "lstm-copy-adam-high": (_recipe({"name": "rnn", "cell": "lstm", "hidden": 32},
+                                    {"name": "sequence", "task": "copy", "seq_len": 16, "dim": 4},
+                                    {"name": "adam", "lr": 0.05}, clipping=NO_CLIP), 0.003),
+    "mlp-relu-sgd-nesterov-high": (_recipe({"name": "deep_mlp", "depth": 6, "width": 64},
+                                           {"name": "regression", "dim": 16},
+                                           {"name": "sgd", "lr": 0.5, "momentum": 0.9, "nesterov": True},
+                                           clipping=NO_CLIP), 0.01),
+    "gpt-nan-burst": ({**_recipe(_gpt(48), MARKOV, {"name": "adamw", "lr": 0.003}, warmup=10),
+                       "faults": [{"type": "nan_loss", "step": 50}, {"type": "nan_loss", "step": 51}]}, FAULTS_OFF),
+    "gpt-z-loss-adamw-high": (_recipe(_gpt(64, z_loss=1e-4), MARKOV, {"name": "adamw", "lr": 0.04}, warmup=5),
+                              0.002),
+    # healthy controls: the reference is the run itself; ballast should leave them alone (1 attempt)
+    "control-gpt-d96-adam": (_recipe(_gpt(96), MARKOV, {"name": "adam", "lr": 0.001}, warmup=10), 0.001),
+    "control-lstm-copy-adam-low": (_recipe({"name": "rnn", "cell": "lstm", "hidden": 32},
+                                           {"name": "sequence", "task": "copy", "seq_len": 16, "dim": 4},
+                                           {"name": "adam", "lr": 0.001}), 0.001),
+    "control-gpt-qk-layernorm": (_recipe(_gpt(64, qk_layernorm=True), MARKOV, {"name": "adamw", "lr": 0.002},
+                                         warmup=10), 0.002),
+}
 POLICIES = {"none": {"max_retries": 0}, "ballast": {}}
 
 
@@ -256,9 +286,9 @@ def main(names: list[str]) -> None:
     torch.set_num_threads(1)
     sets = {"2026-12-05": SCENARIOS_2026_12_05, "2026-12-06": SCENARIOS_2026_12_06,
             "2026-12-06b": SCENARIOS_2026_12_06B, "2026-12-06c": SCENARIOS_2026_12_06C,
-            "2026-12-06d": SCENARIOS_2026_12_06D}
+            "2026-12-06d": SCENARIOS_2026_12_06D, "2026-12-06e": SCENARIOS_2026_12_06E}
     every = {**SCENARIOS, **SCENARIOS_2026_12_05, **SCENARIOS_2026_12_06, **SCENARIOS_2026_12_06B,
-             **SCENARIOS_2026_12_06C, **SCENARIOS_2026_12_06D}
+             **SCENARIOS_2026_12_06C, **SCENARIOS_2026_12_06D, **SCENARIOS_2026_12_06E}
     if names[:1] == ["--set"]:
         names = list(sets[names[1]]) + names[2:]
     for name in names or list(SCENARIOS):
