@@ -191,6 +191,10 @@ class GuardedTrainer:
         self._collapse_window = collapse_window(r.detectors.loss_spike.ema_alpha)
         self._loss_floor = r.success.loss_floor if r.success.loss_floor is not None else self.data.loss_floor
         """The floor the verdict measures progress toward: the recipe's, else the data's own (None: unknown)."""
+        collapse_on = r.success.collapse_ratio is not None and self._loss_floor is not None and self.start_step == 0
+        self._collapse_last_step = r.training.max_steps // 2 if collapse_on else -1
+        """The last step the gradient-collapse rule can fire at (-1: never): a fresh start's first half, with a floor.
+        Only a fresh start has its first steps' gradient norms to compare with."""
         self._progress_mark: tuple[int, float] | None = None
         """The stall clock (``verdict.progress_mark``). Not checkpointed: a resumed attempt starts it at the restored
         best, later than or at the lineage's mark, so a resume never makes the rule fire sooner."""
@@ -514,10 +518,9 @@ class GuardedTrainer:
         return judge_stall(self.recipe.success, self._evidence(), step=step, patience=self._stall_steps)
 
     def _collapse_verdict(self, step: int) -> Verdict:
-        """The gradient-collapse rule after ``step`` completed steps; only a fresh start has its first steps'
-        gradient norms to compare with (a resumed attempt's first steps are not the model's)."""
+        """The gradient-collapse rule after ``step`` completed steps; nothing is gathered outside its window."""
         window = self._collapse_window
-        if self.start_step != 0 or step < max(window, COLLAPSE_BASELINE_STEPS):
+        if not max(window, COLLAPSE_BASELINE_STEPS) <= step <= self._collapse_last_step:
             return Verdict(None, "not applicable")
         res = self.result
         skipped = set(res.skipped_steps)

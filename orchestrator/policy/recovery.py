@@ -330,7 +330,7 @@ def decide(
     used = sum(1 for a in budgeted if a.kind == "numeric_retry")
     if eff.recovery.strategy is RecoveryStrategy.restart_latest:
         return _restart_latest(eff, last, lineage, used)
-    return _numeric_retry(recipe, eff, history, last, lineage, used)
+    return _numeric_retry(recipe, eff, history, budgeted, lineage, used)
 
 
 def since_manual(history: Sequence[AttemptRecord]) -> list[AttemptRecord]:
@@ -440,10 +440,12 @@ def _numeric_retry(
     recipe: Recipe,
     eff: Recipe,
     history: Sequence[AttemptRecord],
-    last: AttemptRecord,
+    budgeted: Sequence[AttemptRecord],
     lineage: list[CheckpointRecord],
     used: int,
 ) -> RecoveryPlan | GiveUp:
+    """``budgeted``: the attempts the budgets count (``since_manual``); ``history[-1]`` is the one that ended."""
+    last = history[-1]
     rec = eff.recovery
     onset = next((s for s in (last.onset_step, last.final_step) if s is not None), last.start_step)
     if used >= rec.max_retries:
@@ -466,8 +468,7 @@ def _numeric_retry(
         changes = [*changes, *on_recurrence.changes]
         texts.append(f"{on_recurrence.text} (with the cut LR, should the replay show it recurs)")
         probe = probe_plan(eff, changes, replay_through=replay)
-    over = over_step_budget(rec.step_budget, eff.training.max_steps, since_manual(history),
-                            resume_step=resume_step, probe=probe)
+    over = over_step_budget(rec.step_budget, eff.training.max_steps, budgeted, resume_step=resume_step, probe=probe)
     if over is not None:
         return GiveUp(f"{_ended(last, onset)}; {over}")
     overrides = _cumulative(recipe, last, changes)
