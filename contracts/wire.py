@@ -147,6 +147,10 @@ class ProbePlan:
     replay_steps: int = 0
     """With ``replay``: the steps the replay trains, through the step that failed (it may need more than ``steps``,
     and fewer would not show the divergence was not the settings')."""
+    extend: tuple[float, ...] = ()
+    """LRs above every candidate, ascending, each tried (``steps`` steps) only while the highest LR tried so far is
+    the best and trained cleanly: a line search upwards after a run that never learned, whose LR may have been far
+    too low (``orchestrator/policy/probe.py: upward_lrs``)."""
 
     def __post_init__(self) -> None:
         if len(self.candidates) < 2 or any(not (math.isfinite(c) and c > 0) for c in self.candidates):
@@ -155,6 +159,9 @@ class ProbePlan:
             raise ValueError(f"ProbePlan.steps: must be >= 1, got {self.steps}")
         if self.replay and self.replay_steps < 1:
             raise ValueError(f"ProbePlan.replay_steps: must be >= 1 with a replay, got {self.replay_steps}")
+        above = all(math.isfinite(c) and c > max(self.candidates) for c in self.extend)
+        if not above or list(self.extend) != sorted(self.extend):
+            raise ValueError(f"ProbePlan.extend: ascending LRs above every candidate, got {self.extend!r}")
 
     def steps_of(self, index: int) -> int:
         """Steps the ``index``-th candidate trains: the replay's own count for the first of a replaying plan."""
@@ -162,8 +169,8 @@ class ProbePlan:
 
     @property
     def max_steps(self) -> int:
-        """The most steps the probe can train: every candidate, the replay at its own count."""
-        return sum(self.steps_of(i) for i in range(len(self.candidates)))
+        """The most steps the probe can train: every candidate, the replay at its own count, and every extension."""
+        return sum(self.steps_of(i) for i in range(len(self.candidates))) + len(self.extend) * self.steps
 
     def to_dict(self) -> dict[str, Any]:
         out: dict[str, Any] = {"candidates": list(self.candidates), "steps": self.steps}
@@ -172,6 +179,8 @@ class ProbePlan:
         if self.replay:
             out["replay"] = dict(self.replay)
             out["replay_steps"] = self.replay_steps
+        if self.extend:
+            out["extend"] = list(self.extend)
         return out
 
     @classmethod
@@ -184,7 +193,8 @@ class ProbePlan:
         replay = dict(probe.get("replay") or {})
         return cls(candidates=tuple(float(c) for c in probe["candidates"]), steps=int(probe["steps"]),
                    if_clean=dict(probe.get("if_clean") or {}), replay=replay,
-                   replay_steps=int(probe.get("replay_steps") or (probe["steps"] if replay else 0)))
+                   replay_steps=int(probe.get("replay_steps") or (probe["steps"] if replay else 0)),
+                   extend=tuple(float(c) for c in probe.get("extend") or ()))
 
 
 @dataclass(kw_only=True)

@@ -58,6 +58,13 @@ def choose(runs: Sequence[CandidateRun]) -> tuple[int, str]:
     return min(finite, key=lambda i: (runs[i].score, runs[i].lr)), "lowest loss"
 
 
+def highest_is_best(runs: Sequence[CandidateRun]) -> bool:
+    """Whether the highest LR tried is the one ``choose`` picks, having trained cleanly: the loss fell fastest at
+    the top of the range, so a higher LR may do better still (``ProbePlan.extend``)."""
+    top = max(range(len(runs)), key=lambda i: runs[i].lr)
+    return runs[top].failed is None and choose(runs)[0] == top
+
+
 def _fmt(x: float) -> str:
     return format(x, ".4g")
 
@@ -95,6 +102,13 @@ def run_probe(spec: AttemptSpec, plan: ProbePlan, ctx: WorkerContext, resume_dir
             break
         if plan.replay and len(runs) == 1 and failed is None:
             break  # the replay trained cleanly: the settings were not the cause, and they are the user's to tune
+    for lr in plan.extend:
+        if runs[-1].failed == STOPPED or not highest_is_best(runs):
+            break
+        trainer = GuardedTrainer(with_lr(spec, lr), ctx, sink=quiet, resume_dir=resume_dir)
+        losses, failed = trainer.probe(plan.steps)
+        runs.append(CandidateRun(lr=lr, losses=tuple(losses), failed=failed))
+        del trainer
     pick, why = choose(runs)
     chosen = runs[pick].lr
     clean = runs[pick].failed is None

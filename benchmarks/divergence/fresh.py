@@ -243,6 +243,37 @@ SCENARIOS_2026_12_06E: dict[str, tuple[dict[str, Any], float]] = {
     "control-gpt-qk-layernorm": (_recipe(_gpt(64, qk_layernorm=True), MARKOV, {"name": "adamw", "lr": 0.002},
                                          warmup=10), 0.002),
 }
+SCENARIOS_2026_12_06F: dict[str, tuple[dict[str, Any], float]] = {
+    # written on 2026-12-06 (the sixth set that day) after the upward probe candidate for a run that never learned,
+    # which the seventh set's control-lstm-copy-adam-low led to, and before running any of them: held out from it.
+    # Two too-low LRs (the rule's family), a large weight decay, momentum 0.99, a wide MLP, bf16 at a high LR, a
+    # late gradient spike and an RNN past the edge of chaos under Adam
+    "gru-sum-sgd-low": (_recipe({"name": "rnn", "cell": "gru", "hidden": 32},
+                                {"name": "sequence", "task": "running_sum", "seq_len": 16, "dim": 4},
+                                {"name": "sgd", "lr": 0.001, "momentum": 0.9}), 0.05),
+    "gpt-adamw-lr1e-5": (_recipe(_gpt(48), MARKOV, {"name": "adamw", "lr": 1e-5}), 0.002),
+    "gpt-adamw-high-weight-decay": (_recipe(_gpt(48), MARKOV, {"name": "adamw", "lr": 0.01, "weight_decay": 1.0}),
+                                    0.002),
+    "gpt-sgd-momentum-0.99": (_recipe(_gpt(32), MARKOV, {"name": "sgd", "lr": 1.0, "momentum": 0.99},
+                                      clipping=NO_CLIP), 0.1),
+    "mlp-width256-adam-high": (_recipe({"name": "deep_mlp", "depth": 4, "width": 256},
+                                       {"name": "regression", "dim": 16}, {"name": "adam", "lr": 0.03}), 0.001),
+    "gpt-bf16-adam-warmup15-high": (_recipe(_gpt(64), MARKOV, {"name": "adam", "lr": 0.05}, warmup=15, dtype="bf16"),
+                                    0.002),
+    "gpt-late-grad-spike": ({**_recipe(_gpt(48), MARKOV, {"name": "adamw", "lr": 0.003}, warmup=10),
+                             "faults": [{"type": "grad_scale", "step": 120, "factor": 10000.0}]}, FAULTS_OFF),
+    "rnn-radius-1.3-adam": (_recipe({"name": "rnn", "cell": "rnn", "hidden": 32, "recurrent_spectral_radius": 1.3},
+                                    {"name": "sequence", "task": "running_sum", "seq_len": 16, "dim": 4},
+                                    {"name": "adam", "lr": 0.02}, clipping=NO_CLIP), 0.002),
+    # healthy controls: the reference is the run itself; ballast should leave them alone (1 attempt)
+    "control-gru-sum-adam": (_recipe({"name": "rnn", "cell": "gru", "hidden": 32},
+                                     {"name": "sequence", "task": "running_sum", "seq_len": 16, "dim": 4},
+                                     {"name": "adam", "lr": 0.003}), 0.003),
+    "control-mlp-width256-adam": (_recipe({"name": "deep_mlp", "depth": 4, "width": 256},
+                                          {"name": "regression", "dim": 16}, {"name": "adam", "lr": 0.001}), 0.001),
+    "control-gpt-bf16-adamw": (_recipe(_gpt(64), MARKOV, {"name": "adamw", "lr": 0.002}, warmup=10, dtype="bf16"),
+                               0.002),
+}
 POLICIES = {"none": {"max_retries": 0}, "ballast": {}}
 
 
@@ -286,9 +317,10 @@ def main(names: list[str]) -> None:
     torch.set_num_threads(1)
     sets = {"2026-12-05": SCENARIOS_2026_12_05, "2026-12-06": SCENARIOS_2026_12_06,
             "2026-12-06b": SCENARIOS_2026_12_06B, "2026-12-06c": SCENARIOS_2026_12_06C,
-            "2026-12-06d": SCENARIOS_2026_12_06D, "2026-12-06e": SCENARIOS_2026_12_06E}
+            "2026-12-06d": SCENARIOS_2026_12_06D, "2026-12-06e": SCENARIOS_2026_12_06E,
+            "2026-12-06f": SCENARIOS_2026_12_06F}
     every = {**SCENARIOS, **SCENARIOS_2026_12_05, **SCENARIOS_2026_12_06, **SCENARIOS_2026_12_06B,
-             **SCENARIOS_2026_12_06C, **SCENARIOS_2026_12_06D, **SCENARIOS_2026_12_06E}
+             **SCENARIOS_2026_12_06C, **SCENARIOS_2026_12_06D, **SCENARIOS_2026_12_06E, **SCENARIOS_2026_12_06F}
     if names[:1] == ["--set"]:
         names = list(sets[names[1]]) + names[2:]
     for name in names or list(SCENARIOS):

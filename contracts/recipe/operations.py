@@ -83,8 +83,10 @@ class LrProbe(Section):
     """Choose a numeric retry's LR by evidence rather than by the cut alone. When a retry lowers the LR, the new
     attempt first trains ``steps`` steps from its rollback point at each of ``candidates`` LRs (the policy's cut
     LR, then each ``spacing`` times the one before, never below ``min_lr``), each at the constant LR the retry
-    reaches once warmed up, and keeps the one whose loss ends lowest without a rollback-worthy anomaly. The probe's
-    steps are charged to the run (the attempt's ``plan.lr_probe.steps_run``)."""
+    reaches once warmed up, and keeps the one whose loss ends lowest without a rollback-worthy anomaly. After a run
+    that never learned, the first candidate is ``1 / spacing`` times the ended LR instead (the lowest cut goes),
+    and while the highest LR tried is the best the probe climbs on (twice ``candidates`` LRs above at most). The
+    probe's steps are charged to the run (the attempt's ``plan.lr_probe.steps_run``)."""
 
     mode: ProbeMode = ProbeMode.auto
     """auto: probe when its steps (candidates × steps) are at most ``max_fraction`` of ``training.max_steps`` (on a

@@ -18,7 +18,7 @@ from typing import Any
 from contracts.overrides import get_path
 from contracts.recipe import Recipe, recipe_to_dict
 from contracts.wire import ProbePlan
-from orchestrator.policy.tightening import LR, WARMUP, WARMUP_FRACTION, Change
+from orchestrator.policy.tightening import LR, NEVER_LEARNED, WARMUP, WARMUP_FRACTION, Change
 
 REPLAYABLE_KINDS = frozenset({"nonfinite", "loss_spike", "grad_norm_spike"})
 """Ends that one step's numbers made, as a transient makes them: a non-finite value, a loss or gradient far outside
@@ -28,10 +28,16 @@ every early retry of the benchmark's development half is one, and the replay too
 from 1.25x to 1.31x of its steps), nor the verdicts judged over a whole run, such as a stall."""
 
 
-def probe_plan(eff: Recipe, changes: Sequence[Change], *, replay_through: int | None = None) -> ProbePlan | None:
+def probe_plan(
+    eff: Recipe, changes: Sequence[Change], *, replay_through: int | None = None, upward: Sequence[float] = ()
+) -> ProbePlan | None:
     """The probe of a retry that makes ``changes`` to ``eff``: none unless one moves the LR. Its candidates: the
     new LR, then each ``spacing`` times the previous, floored at ``min_lr`` (a candidate at the floor is the last).
     None when the probe is off for this run's length or there are fewer than two distinct candidates.
+
+    ``upward`` (the caller's, see ``upward_lrs``): LRs above the ended attempt's, ascending. The first is probed
+    first, in place of the lowest cut candidate, so the planned probe costs what it did and spans both directions;
+    the rest are its extension (``ProbePlan.extend``).
 
     When the retry also adds a warmup to a schedule that had none (``warmup_change``: an early divergence), the plan
     takes it back should the chosen candidate train cleanly (``if_clean``): that candidate trained its steps at a
@@ -57,8 +63,11 @@ def probe_plan(eff: Recipe, changes: Sequence[Change], *, replay_through: int | 
     if new_lr is None or not cfg.active(eff.training.max_steps):
         return None
     candidates = [new_lr]
-    while len(candidates) < cfg.candidates and candidates[-1] > floor:
+    wanted = cfg.candidates - bool(upward)
+    while len(candidates) < wanted and candidates[-1] > floor:
         candidates.append(max(candidates[-1] * cfg.spacing, floor))
+    if upward:
+        candidates.insert(0, upward[0])
     if len(candidates) < 2:
         return None
     steps = cfg.steps_for(eff.training.max_steps)
@@ -74,7 +83,31 @@ def probe_plan(eff: Recipe, changes: Sequence[Change], *, replay_through: int | 
         if any(c.path == WARMUP_FRACTION for c in changes):
             if_clean[WARMUP_FRACTION] = eff.schedule.warmup_fraction
     return ProbePlan(candidates=tuple(candidates), steps=steps, if_clean=if_clean, replay=replay,
-                     replay_steps=through if replay else 0)
+                     replay_steps=through if replay else 0, extend=tuple(upward[1:]))
+
+
+def upward_lrs(
+    detector: str | None, ended_lr: float, spacing: float, diverged_lrs: Sequence[float], count: int
+) -> tuple[float, ...]:
+    """The LRs above the ended attempt's that the retry's probe also tries (empty: none), ascending: up to
+    ``count``, each ``1 / spacing`` times the one before from ``ended_lr``. Only after a run that never learned
+    (``never_learned``), and only below every LR at which an attempt of the run ended for another reason
+    (``diverged_lrs``: there the LR is known to be too high). The first replaces the lowest cut candidate; the
+    others extend the probe only while the highest LR tried is the best (``ProbePlan.extend``).
+
+    Why: a loss that covers almost none of its way to the floor is what a too-low LR gives as surely as a blow-up
+    that knocked the model flat, and nothing the ended run measured tells them apart; a cut alone then walks the
+    wrong way every time. A short run from the same start at LRs above and below does tell: a too-high one fails
+    or ends higher. And where the LR was far too low, one step up per retry costs a whole early check each (an LSTM
+    on the copy task at Adam 1e-3 never learned, every retry cut the LR while its probes picked their highest
+    candidate, and the run failed at 1.61x its steps; it learns at 4e-3 and above. BENCHMARKS.md, 2026-12-06).
+    Not after a stall or a collapse: those say the LR the run descended at is too high."""
+    if detector != NEVER_LEARNED:
+        return ()
+    ups: list[float] = []
+    while len(ups) < count and all(ended_lr / spacing ** (len(ups) + 1) < lr for lr in diverged_lrs):
+        ups.append(ended_lr / spacing ** (len(ups) + 1))
+    return tuple(ups)
 
 
 def replay_steps(

@@ -101,7 +101,7 @@ from typing import Any
 from contracts.overrides import apply_overrides, get_path
 from contracts.recipe import DType, Recipe, Recovery, RecoveryStrategy, TightenOrder
 from contracts.wire import ProbePlan, one_line
-from orchestrator.policy.probe import probe_plan, replay_steps
+from orchestrator.policy.probe import probe_plan, replay_steps, upward_lrs
 from orchestrator.policy.tightening import (
     AGC,
     DTYPE,
@@ -110,6 +110,7 @@ from orchestrator.policy.tightening import (
     LR,
     MAX_NORM,
     METHOD,
+    NEVER_LEARNED,
     NO_PROGRESS_KINDS,
     Change,
     Knob,
@@ -461,7 +462,12 @@ def _numeric_retry(
     resume_step = resume.step if resume is not None else 0
     replay = replay_steps(last.detector, last.final_step, resume_step=resume_step, used=used,
                           skip_data_window=rec.skip_data_window)
-    probe = probe_plan(eff, changes, replay_through=replay)
+    too_high = [effective_recipe(recipe, a.overrides).optimizer.lr for a in budgeted
+                if a.outcome == "diverged" and a.detector != NEVER_LEARNED]
+    # as many upward LRs as twice the probe's candidates: the probe's own cost again at most, and room to climb
+    # 4^6 = 4096x (an LR typed 100x too low took 4 steps up on the eighth fresh set)
+    upward = upward_lrs(last.detector, eff.optimizer.lr, rec.lr_probe.spacing, too_high, 2 * rec.lr_probe.candidates)
+    probe = probe_plan(eff, changes, replay_through=replay, upward=upward)
     if probe is not None and probe.replay and on_recurrence is not None:
         # the replay is the recurrence test: only if it fails do the other candidates train, and a divergence that
         # recurs at the same settings from the same point turns the second knob too (the replay reverts it)
@@ -472,12 +478,22 @@ def _numeric_retry(
     if over is not None:
         return GiveUp(f"{_ended(last, onset)}; {over}")
     overrides = _cumulative(recipe, last, changes)
+    if probe is not None and LR not in overrides:
+        # a cut back to the recipe's own LR (after an upward probe chose one above it): kept, for the probe's choice
+        # replaces this override (``apply_probe_result``) and must not be lost for want of one
+        overrides[LR] = (recipe.optimizer.lr, recipe.optimizer.lr)
     # a re-warm eases a *changed* step size in; a dtype switch alone keeps the LR and its schedule as they were
     rewarm = 0 if all(c.path == DTYPE for c in changes) else rec.rewarm_steps
     if rewarm:
         texts.append(f"re-warm {rewarm} steps")
     if probe is not None:
         texts.append(_probe_text(probe, rewarm))
+        if upward and probe.candidates[0] == upward[0]:
+            text = (f"the first, {num(upward[0])}, is above the attempt's LR: a run that never learned may have "
+                    "trained too slowly, and the probe shows which way the loss falls faster")
+            if probe.extend:
+                text += f"; then {', '.join(num(c) for c in probe.extend)} while the highest tried is the best"
+            texts.append(text)
     data_offset = last.data_offset
     if rec.skip_data_window:
         data_offset += max(0, onset - resume_step + 1)

@@ -30,9 +30,11 @@ GRADIENT_KINDS = frozenset({"grad_norm_spike", "skip_escalation"})
 """Ends whose evidence is the gradient alone: a transient spike, so the clip threshold goes first."""
 HOPELESS_KINDS = frozenset({"vanishing", "vanishing_gradients"})
 """Ends that no tightening of LR or clip can fix: the run fails with the diagnosis."""
-NO_PROGRESS_KINDS = frozenset({"never_learned", "stalled", "collapsed"})
+NEVER_LEARNED = "never_learned"
+NO_PROGRESS_KINDS = frozenset({NEVER_LEARNED, "stalled", "collapsed"})
 """Ends after which halving the LR is a guess that rarely suffices: it moves by the factor squared (a run that
-stopped learning at its LR, rather than one that spiked, was not near the edge of stability but well past it)."""
+stopped learning at its LR, rather than one that spiked, was not near the edge of stability but well past it). A
+run that never learned may instead have had too low an LR: its probe also tries one above (``probe.upward_lr``)."""
 EARLY_FRACTION = 0.1
 """A divergence within this fraction of max_steps (and 10 steps) is early: without a warmup, one is added."""
 

@@ -4,6 +4,7 @@ of this process, until an attempt succeeds or the policy gives up; the JSON summ
 from __future__ import annotations
 
 import json
+import math
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -148,3 +149,44 @@ def test_a_retry_past_the_step_budget_is_not_started_and_the_probes_steps_count(
     spent = first["final_step"] + second["lr_probe"]["steps_run"] + (second["final_step"] - second["start_step"])
     assert f"step budget exhausted: the attempts so far executed {spent} steps" in out["gave_up"]
     assert "budget of 64 (1.6x max_steps 40; recovery.step_budget)" in out["gave_up"]
+
+
+SLOW_LSTM: dict[str, Any] = {
+    "name": "slow-lstm",
+    "model": {"name": "rnn", "cell": "lstm", "hidden": 32},
+    "data": {"name": "sequence", "task": "copy", "seq_len": 16, "dim": 4},
+    "training": {"max_steps": 150, "batch_size": 16, "seed": 7},
+    "optimizer": {"name": "adam", "lr": 0.001},
+    "schedule": {"warmup_steps": 0, "decay": "cosine"},
+    "checkpoint": {"every_steps": 25},
+}
+"""An LSTM on the copy task at Adam 1e-3: too low an LR to learn anything in 150 steps (4e-3 and above learn)."""
+
+
+def test_a_run_that_never_learned_at_too_low_an_lr_is_retried_at_a_higher_one(tmp_path: Path) -> None:
+    """The retry after ``never_learned`` probes an LR above the attempt's as well as the cuts and, while the highest
+    LR tried is the best, climbs on (``extend``): a too-low LR is raised in one retry, not cut further."""
+    res = train(write(tmp_path, SLOW_LSTM), "--json")
+    assert res.exit_code == 0, res.output
+    out = json.loads(res.stdout)
+    first, second = out["attempts"]
+    assert first["outcome"] == "diverged" and first["detector"] == "never_learned"
+    lr = SLOW_LSTM["optimizer"]["lr"]
+    probe = second["lr_probe"]
+    assert probe["candidates"][0] == pytest.approx(4 * lr)  # lr / spacing (0.25), then the cuts
+    assert all(c < lr for c in probe["candidates"][1:])
+    assert probe["extend"] == pytest.approx([16 * lr, 64 * lr, 256 * lr, 1024 * lr, 4096 * lr])
+    ran = probe["candidates_run"]
+
+    def score(c: dict[str, Any]) -> float:
+        return math.inf if c["score"] is None else float(c["score"])  # None: it failed
+
+    # each extension ran only because the highest LR before it had the lowest score
+    for n in range(len(probe["candidates"]), len(ran)):
+        before = ran[:n]
+        assert min(before, key=score) is max(before, key=lambda c: c["lr"])
+    assert len(ran) > len(probe["candidates"]) and probe["steps_run"] == sum(c["steps"] for c in ran)
+    assert probe["chosen"] == min(ran, key=score)["lr"] > 4 * lr
+    assert second["overrides"]["optimizer.lr"] == [lr, probe["chosen"]]
+    assert "above the attempt's LR" in first["decision"]
+    assert second["outcome"] == "succeeded" and out["outcome"] == "succeeded"

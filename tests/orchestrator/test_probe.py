@@ -3,6 +3,7 @@ attempt's settings (``orchestrator/policy/probe.py``)."""
 
 from __future__ import annotations
 
+import math
 from functools import partial
 from typing import Any
 
@@ -10,7 +11,7 @@ import pytest
 
 from contracts.recipe import ProbeMode, RecipeError, load_recipe
 from contracts.wire import AttemptSpec, ProbePlan
-from orchestrator.policy.probe import apply_probe_result, probe_plan, replay_steps
+from orchestrator.policy.probe import apply_probe_result, probe_plan, replay_steps, upward_lrs
 from orchestrator.policy.recovery import AttemptRecord, RecoveryPlan, decide
 from orchestrator.policy.tightening import LR, MAX_NORM, METHOD, WARMUP, WARMUP_FRACTION, Change
 from tests.recipes import build_recipe
@@ -140,7 +141,7 @@ def test_a_first_retry_replays_the_diverged_settings_when_the_probe_reaches_the_
     assert isinstance(p, RecoveryPlan)
     probe = p.lr_probe
     if not replayed:
-        assert probe is None or (not probe.replay and probe.candidates[0] < 3e-3)
+        assert probe is None or (not probe.replay and 3e-3 not in probe.candidates)  # the ended LR is not tried
         return
     assert probe is not None and probe.steps == 10 and probe.replay_steps == final_step + 1
     assert [probe.steps_of(i) for i in range(len(probe.candidates))] == [final_step + 1] + [10] * 3
@@ -335,3 +336,70 @@ def test_ballast_train_records_a_clean_pick_without_its_re_warm() -> None:
                            ended=Ended("crashed", None, {}, error="boom"))
     LocalRun._record_probe(attempt, {"chosen": 2.5e-4, "steps_run": 20, "candidates": [], "rewarm_steps": 0})
     assert attempt.record().rewarm_steps == 0 and attempt.to_dict([])["rewarm_steps"] == 0
+
+
+@pytest.mark.parametrize(
+    ("detector", "diverged_lrs", "expected"),
+    [
+        ("never_learned", (), (4e-2, 0.16, 0.64)),  # the ended LR / spacing, and on up: three
+        ("never_learned", (0.5,), (4e-2, 0.16)),     # each below an LR that diverged for another reason
+        ("never_learned", (0.16,), (4e-2,)),         # not at one: known to be too high
+        ("never_learned", (4e-2, 1.0), ()),
+        ("stalled", (), ()),                         # a stall and a collapse say the LR was too high
+        ("collapsed", (), ()),
+        ("divergence", (), ()),
+        ("nonfinite", (), ()),
+        (None, (), ()),
+    ],
+)
+def test_upward_lrs(detector: str | None, diverged_lrs: tuple[float, ...], expected: tuple[float, ...]) -> None:
+    assert upward_lrs(detector, 1e-2, 0.25, diverged_lrs, 3) == pytest.approx(expected)
+
+
+def test_an_upward_candidate_takes_the_lowest_cuts_place_and_the_rest_extend_the_probe() -> None:
+    got = probe_plan(probe_recipe(mode="on"), cut(2.5e-3), upward=(4e-2, 0.16))
+    assert got is not None and got.candidates == pytest.approx((4e-2, 2.5e-3, 6.25e-4))  # still three candidates
+    assert got.extend == (0.16,) and got.max_steps == 4 * got.steps  # the budget counts the extension
+    assert ProbePlan.from_plan({"lr_probe": got.to_dict()}) == got  # it travels with the plan
+    two = probe_plan(probe_recipe(mode="on", candidates=2), cut(2.5e-3), upward=(4e-2,))
+    assert two is not None and two.candidates == (4e-2, 2.5e-3) and two.extend == ()
+
+
+@pytest.mark.parametrize("extend", [(1e-3,), (0.2, 0.1), (math.inf,)])
+def test_an_extension_must_climb_above_every_candidate(extend: tuple[float, ...]) -> None:
+    with pytest.raises(ValueError, match="ProbePlan.extend"):
+        ProbePlan(candidates=(0.1, 0.01), steps=10, extend=extend)
+
+
+def never_learned(number: int, overrides: dict[str, Any] | None = None, detector: str = "never_learned") -> Any:
+    return AttemptRecord(number=number, kind="initial" if number == 1 else "numeric_retry", outcome="diverged",
+                         start_step=0, onset_step=0, final_step=500, detector=detector, overrides=overrides or {})
+
+
+def test_a_run_that_never_learned_probes_above_its_lr_too_and_says_why() -> None:
+    p = decide(probe_recipe(mode="on"), [never_learned(1)], [])
+    assert isinstance(p, RecoveryPlan) and p.lr_probe is not None
+    assert p.overrides["optimizer.lr"] == (1e-2, 2.5e-3)  # the cut stands until the probe chooses
+    assert p.lr_probe.candidates == pytest.approx((4e-2, 2.5e-3, 6.25e-4))
+    assert p.lr_probe.extend == pytest.approx((0.16, 0.64, 2.56, 10.24, 40.96))  # up to twice the candidates
+    assert "the first, 0.04, is above the attempt's LR: a run that never learned may have trained too" in p.reason
+    assert "then 0.16, 0.64, 2.56, 10.24, 40.96 while the highest tried is the best" in p.reason
+
+
+def test_a_cut_back_to_the_recipes_own_lr_still_records_the_lr_the_probe_chooses() -> None:
+    """Attempt 2 trained at 4e-2 (an upward pick) and never learned either: the cut is 1e-2, the recipe's own LR. The
+    plan keeps an LR override for the probe's choice to replace, else the record would say the attempt trained at
+    the recipe's LR whatever the probe chose."""
+    p = decide(probe_recipe(mode="on"), [never_learned(1), never_learned(2, {"optimizer.lr": (1e-2, 4e-2)})], [])
+    assert isinstance(p, RecoveryPlan) and p.lr_probe is not None and p.overrides[LR] == (1e-2, 1e-2)
+    applied = apply_probe_result(p.overrides, p.plan_json(), p.reason, {"chosen": 0.16, "steps_run": 40})
+    assert applied is not None and applied[0][LR] == [1e-2, 0.16]
+
+
+def test_no_upward_candidate_reaches_an_lr_that_diverged_before() -> None:
+    """Attempt 1 diverged at 1e-2 (a blow-up), attempt 2 at the cut 2.5e-3 never learned: 4x that is 1e-2, known to
+    blow up, so the probe tries only cuts."""
+    history = [never_learned(1, detector="divergence"), never_learned(2, {"optimizer.lr": (1e-2, 2.5e-3)})]
+    p = decide(probe_recipe(mode="on"), history, [])
+    assert isinstance(p, RecoveryPlan) and p.lr_probe is not None
+    assert max(p.lr_probe.candidates) < 2.5e-3 and "above the attempt's LR" not in p.reason

@@ -15,7 +15,7 @@ import pytest
 from contracts.wire import AttemptSpec, ProbePlan
 from tests.recipes import EXPLODING_RNN, build_recipe
 from workers.entry import run_attempt
-from workers.lr_probe import CandidateRun, choose, with_lr
+from workers.lr_probe import CandidateRun, choose, highest_is_best, with_lr
 from workers.schedule import lr_at
 from workers.sinks import ListSink
 
@@ -46,6 +46,21 @@ def runs(*spec: tuple[float, list[float], str | None]) -> list[CandidateRun]:
 def test_choose(candidates: list[CandidateRun], expected: int, why: str) -> None:
     pick, reason = choose(candidates)
     assert pick == expected and reason.startswith(why)
+
+
+@pytest.mark.parametrize(
+    ("candidates", "expected"),
+    [
+        (runs((4e-2, [3, 1.0], None), (1e-2, [3, 2.0], None)), True),
+        (runs((1e-2, [3, 2.0], None), (4e-2, [3, 1.0], None)), True),   # the order tried does not matter
+        (runs((4e-2, [3, 2.0], None), (1e-2, [3, 1.0], None)), False),  # a lower LR did better: the top is found
+        (runs((4e-2, [3, 0.1], "loss_spike at step 1"), (1e-2, [3, 2.0], None)), False),  # the top failed
+        (runs((4e-2, [9.0], "nonfinite"), (1e-2, [9.0], "nonfinite")), False),  # all failed: the lowest is chosen
+    ],
+)
+def test_highest_is_best(candidates: list[CandidateRun], expected: bool) -> None:
+    """Whether an upward probe climbs on (``ProbePlan.extend``)."""
+    assert highest_is_best(candidates) is expected
 
 
 def test_the_score_is_the_mean_of_the_last_quarter() -> None:
