@@ -245,7 +245,8 @@ SCENARIOS_2026_12_06E: dict[str, tuple[dict[str, Any], float]] = {
 }
 SCENARIOS_2026_12_06F: dict[str, tuple[dict[str, Any], float]] = {
     # written on 2026-12-06 (the sixth set that day) after the upward probe candidate for a run that never learned,
-    # which the seventh set's control-lstm-copy-adam-low led to, and before running any of them: held out from it.
+    # which the seventh set's control-lstm-copy-adam-low led to, and before running any of them: held out from it,
+    # but not from the extension's bound, which its gpt-adamw-lr1e-5 led to (the ninth set, below, is).
     # Two too-low LRs (the rule's family), a large weight decay, momentum 0.99, a wide MLP, bf16 at a high LR, a
     # late gradient spike and an RNN past the edge of chaos under Adam
     "gru-sum-sgd-low": (_recipe({"name": "rnn", "cell": "gru", "hidden": 32},
@@ -273,6 +274,38 @@ SCENARIOS_2026_12_06F: dict[str, tuple[dict[str, Any], float]] = {
                                           {"name": "regression", "dim": 16}, {"name": "adam", "lr": 0.001}), 0.001),
     "control-gpt-bf16-adamw": (_recipe(_gpt(64), MARKOV, {"name": "adamw", "lr": 0.002}, warmup=10, dtype="bf16"),
                                0.002),
+}
+SCENARIOS_2026_12_06G: dict[str, tuple[dict[str, Any], float]] = {
+    # written on 2026-12-06 after the upward probe's extension bound (twice the candidates), which the eighth set's
+    # gpt-adamw-lr1e-5 led to, and before running any of them: held out from both. Too-low LRs on other models and
+    # optimizers (the rule's family), a post-LN transformer, an unclipped deep ReLU MLP under momentum SGD, a late
+    # NaN, and their controls
+    "linear-sgd-low": (_recipe({"name": "linear"}, {"name": "regression", "dim": 32, "condition": 10.0},
+                               {"name": "sgd", "lr": 1e-4, "momentum": 0.0}), 0.01),
+    "gpt-4layer-adam-lr3e-5": (_recipe(_gpt(64, n_layers=4), MARKOV, {"name": "adam", "lr": 3e-5}, warmup=10),
+                               0.002),
+    "mlp-tanh-adam-low": (_recipe({"name": "deep_mlp", "depth": 6, "width": 64, "activation": "tanh"},
+                                  {"name": "regression", "dim": 16}, {"name": "adam", "lr": 2e-5}), 0.001),
+    "gru-copy-adam-low": (_recipe({"name": "rnn", "cell": "gru", "hidden": 32},
+                                  {"name": "sequence", "task": "copy", "seq_len": 16, "dim": 4},
+                                  {"name": "adam", "lr": 1e-4}), 0.01),
+    "gpt-sgd-low": (_recipe(_gpt(48), MARKOV, {"name": "sgd", "lr": 0.01, "momentum": 0.9}), 0.3),
+    "gpt-postln-adamw-warmup5-high": (_recipe(_gpt(48, norm_position="post"), MARKOV, {"name": "adamw", "lr": 0.02},
+                                              warmup=5), 0.002),
+    "mlp-relu-noresid-sgd-high": (_recipe({"name": "deep_mlp", "depth": 8, "width": 64, "residual": False},
+                                          {"name": "regression", "dim": 16},
+                                          {"name": "sgd", "lr": 0.3, "momentum": 0.9}, clipping=NO_CLIP), 0.01),
+    "lstm-sum-nan-step80": ({**_recipe({"name": "rnn", "cell": "lstm", "hidden": 32},
+                                       {"name": "sequence", "task": "running_sum", "seq_len": 16, "dim": 4},
+                                       {"name": "adam", "lr": 0.003}),
+                             "faults": [{"type": "nan_loss", "step": 80}]}, FAULTS_OFF),
+    # healthy controls: the reference is the run itself; ballast should leave them alone (1 attempt)
+    "control-linear-sgd": (_recipe({"name": "linear"}, {"name": "regression", "dim": 32, "condition": 10.0},
+                                   {"name": "sgd", "lr": 0.01, "momentum": 0.0}), 0.01),
+    "control-gpt-4layer-adam": (_recipe(_gpt(64, n_layers=4), MARKOV, {"name": "adam", "lr": 0.002}, warmup=10),
+                                0.002),
+    "control-mlp-tanh-adam": (_recipe({"name": "deep_mlp", "depth": 6, "width": 64, "activation": "tanh"},
+                                      {"name": "regression", "dim": 16}, {"name": "adam", "lr": 0.001}), 0.001),
 }
 POLICIES = {"none": {"max_retries": 0}, "ballast": {}}
 
@@ -318,9 +351,10 @@ def main(names: list[str]) -> None:
     sets = {"2026-12-05": SCENARIOS_2026_12_05, "2026-12-06": SCENARIOS_2026_12_06,
             "2026-12-06b": SCENARIOS_2026_12_06B, "2026-12-06c": SCENARIOS_2026_12_06C,
             "2026-12-06d": SCENARIOS_2026_12_06D, "2026-12-06e": SCENARIOS_2026_12_06E,
-            "2026-12-06f": SCENARIOS_2026_12_06F}
+            "2026-12-06f": SCENARIOS_2026_12_06F, "2026-12-06g": SCENARIOS_2026_12_06G}
     every = {**SCENARIOS, **SCENARIOS_2026_12_05, **SCENARIOS_2026_12_06, **SCENARIOS_2026_12_06B,
-             **SCENARIOS_2026_12_06C, **SCENARIOS_2026_12_06D, **SCENARIOS_2026_12_06E, **SCENARIOS_2026_12_06F}
+             **SCENARIOS_2026_12_06C, **SCENARIOS_2026_12_06D, **SCENARIOS_2026_12_06E, **SCENARIOS_2026_12_06F,
+             **SCENARIOS_2026_12_06G}
     if names[:1] == ["--set"]:
         names = list(sets[names[1]]) + names[2:]
     for name in names or list(SCENARIOS):

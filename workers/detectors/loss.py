@@ -54,7 +54,8 @@ class LossSpike(Detector):
     The other four share one patience run; the finding names the first that holds, in this order:
 
     - **ratio to best** (kind ``divergence``): the smoothed loss (the EMA mean) above ``ratio_threshold`` times
-      the best smoothed loss so far;
+      the best smoothed loss so far (kept once the smoothed loss averages ``INITIAL_LOSS_STEPS`` losses, so that
+      one easy first batch does not set it);
     - **z-score** (kind ``loss_spike``): the loss's z-score against its EMA above ``z_threshold``;
     - **initial ratio** (kind ``divergence``): the loss above ``max_initial_ratio`` times the initial loss;
     - **collapse** (kind ``divergence``): the smoothed loss has given back ``collapse_fraction`` of the progress
@@ -243,9 +244,12 @@ class LossSpike(Detector):
             if window:
                 self.initial_n += 1
                 self.initial = loss if self.initial is None else self.initial + (loss - self.initial) / self.initial_n
-            if self.best is None or self.ema.mean < self.best:
+            # the best smoothed loss only once the smoothed loss averages a few batches: at first it is a running
+            # mean of one, two, ... losses, and an easy first batch would set a best that the typical loss is 2x of
+            # (a linear regression under SGD was stopped at step 27 as a divergence: best 0.44, at step 0)
+            if self.ema.n >= INITIAL_LOSS_STEPS and (self.best is None or self.ema.mean < self.best):
                 self.best, self.best_step = self.ema.mean, step
-            if self.ema.mean <= math.sqrt(self.cfg.ratio_threshold) * self.best:
+            if self.best is None or self.ema.mean <= math.sqrt(self.cfg.ratio_threshold) * self.best:
                 self.calm_step = step
             calm = self._collapse_limit(0.5)
             if calm is not None and self.ema.mean <= calm:
