@@ -49,3 +49,15 @@ EXPLODING_RNN: dict[str, Any] = {
 """A tanh RNN at the edge of chaos (recurrent radius 1.1) under momentum SGD at lr 1.0 without clipping: it blows
 up within a few steps, and a probe of the LRs 0.25, 0.0625 and 0.0156 from initialisation sees 0.25 blow up again
 and the other two train (the LR probe's tests). Short runs: no bar on the model's progress."""
+
+
+SLOW_LSTM: dict[str, Any] = {
+    "name": "slow-lstm",
+    "model": {"name": "rnn", "cell": "lstm", "hidden": 32},
+    "data": {"name": "sequence", "task": "copy", "seq_len": 16, "dim": 4},
+    "training": {"max_steps": 150, "batch_size": 16, "seed": 7},
+    "optimizer": {"name": "adam", "lr": 0.001},
+    "schedule": {"warmup_steps": 0, "decay": "cosine"},
+    "checkpoint": {"every_steps": 25},
+}
+"""An LSTM on the copy task at Adam 1e-3: too low an LR to learn anything in 150 steps (4e-3 and above learn)."""

@@ -8,8 +8,8 @@ worker), under ``none`` and ``ballast``, beside its reference (the same model an
 A scenario that has been looked at is no longer fresh: BENCHMARKS.md says which were used to change what. With no
 NAME the first set runs; ``--set 2026-12-05`` runs the second (``SCENARIOS_2026_12_05``: six unstable recipes, three
 healthy controls), ``--set 2026-12-06``, ``--set 2026-12-06b`` and ``--set 2026-12-06c`` the third to fifth
-(``SCENARIOS_2026_12_06``, ``..._06B``, ``..._06C``, the same shape), ``--set 2026-12-06d`` the sixth and
-``--set 2026-12-06e`` the seventh (eight unstable, three controls each); their names are also accepted one by one.
+(``SCENARIOS_2026_12_06``, ``..._06B``, ``..._06C``, the same shape), ``--set 2026-12-06d`` to ``--set 2026-12-06g``
+the sixth to ninth (eight unstable, three controls each); their names are also accepted one by one.
 """
 
 from __future__ import annotations

@@ -80,6 +80,7 @@ from contracts.recipe.operations import (
 )
 from contracts.recipe.success import Success
 from contracts.recipe.training import (
+    MAX_LR,
     SCHEDULE_PRESETS,
     ClipMethod,
     Clipping,
@@ -105,7 +106,8 @@ __all__ = [
     "LinearModel",
     "LossScaling",
     "LossSpikeDetector", "LrProbe", "MarkovData", "ModelSpec", "NanLossFault", "NonFiniteDetector", "NormPosition",
-    "Optimizer", "OptimizerName", "OscillationDetector", "Precision", "ProbeMode", "Recipe", "RecipeError", "Recovery",
+    "MAX_LR", "Optimizer", "OptimizerName", "OscillationDetector", "Precision", "ProbeMode", "Recipe", "RecipeError",
+    "Recovery",
     "RecoveryStrategy",
     "RecurrentCell",
     "RecurrentModel", "RegressionData", "Resources", "Schedule", "SchedulePreset", "Section", "SequenceData",

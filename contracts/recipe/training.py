@@ -9,6 +9,9 @@ from pydantic import Field, StrictBool, StrictFloat, StrictInt, field_validator,
 
 from contracts.recipe.base import Section
 
+MAX_LR = 100.0
+"""The highest ``optimizer.lr`` a recipe (and so an attempt's override) may hold."""
+
 
 class Training(Section):
     max_steps: StrictInt = Field(default=200, ge=1, le=10_000_000)
@@ -43,7 +46,7 @@ class NoDecay(StrEnum):
 class Optimizer(Section):
     name: OptimizerName = OptimizerName.adamw
     """Optimizer family."""
-    lr: StrictFloat = Field(default=1e-3, gt=0.0, le=100.0)
+    lr: StrictFloat = Field(default=1e-3, gt=0.0, le=MAX_LR)
     """Peak learning rate."""
     betas: tuple[StrictFloat, StrictFloat] = (0.9, 0.95)
     """Adam betas (beta1, beta2), each in [0, 1)."""

@@ -16,7 +16,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from contracts.overrides import get_path
-from contracts.recipe import Recipe, recipe_to_dict
+from contracts.recipe import MAX_LR, Recipe, recipe_to_dict
 from contracts.wire import ProbePlan
 from orchestrator.policy.tightening import LR, NEVER_LEARNED, WARMUP, WARMUP_FRACTION, Change
 
@@ -91,9 +91,10 @@ def upward_lrs(
 ) -> tuple[float, ...]:
     """The LRs above the ended attempt's that the retry's probe also tries (empty: none), ascending: up to
     ``count``, each ``1 / spacing`` times the one before from ``ended_lr``. Only after a run that never learned
-    (``never_learned``), and only below every LR at which an attempt of the run ended for another reason
-    (``diverged_lrs``: there the LR is known to be too high). The first replaces the lowest cut candidate; the
-    others extend the probe only while the highest LR tried is the best (``ProbePlan.extend``).
+    (``never_learned``), only below every LR at which an attempt of the run ended for another reason
+    (``diverged_lrs``: there the LR is known to be too high), and never above the LR a recipe may hold (``MAX_LR``).
+    The first replaces the lowest cut candidate; the others extend the probe only while the highest LR tried is the
+    best (``ProbePlan.extend``).
 
     Why: a loss that covers almost none of its way to the floor is what a too-low LR gives as surely as a blow-up
     that knocked the model flat, and nothing the ended run measured tells them apart; a cut alone then walks the
@@ -105,8 +106,11 @@ def upward_lrs(
     if detector != NEVER_LEARNED:
         return ()
     ups: list[float] = []
-    while len(ups) < count and all(ended_lr / spacing ** (len(ups) + 1) < lr for lr in diverged_lrs):
-        ups.append(ended_lr / spacing ** (len(ups) + 1))
+    while len(ups) < count:
+        up = ended_lr / spacing ** (len(ups) + 1)
+        if up > MAX_LR or any(up >= lr for lr in diverged_lrs):
+            break
+        ups.append(up)
     return tuple(ups)
 
 

@@ -465,7 +465,7 @@ def _numeric_retry(
     too_high = [effective_recipe(recipe, a.overrides).optimizer.lr for a in budgeted
                 if a.outcome == "diverged" and a.detector != NEVER_LEARNED]
     # as many upward LRs as twice the probe's candidates: the probe's own cost again at most, and room to climb
-    # 4^6 = 4096x (an LR typed 100x too low took 4 steps up on the eighth fresh set)
+    # 4^6 = 4096x (an LR 200x below its reference's took five steps up on the eighth fresh set)
     upward = upward_lrs(last.detector, eff.optimizer.lr, rec.lr_probe.spacing, too_high, 2 * rec.lr_probe.candidates)
     probe = probe_plan(eff, changes, replay_through=replay, upward=upward)
     if probe is not None and probe.replay and on_recurrence is not None:

@@ -34,7 +34,7 @@ NEVER_LEARNED = "never_learned"
 NO_PROGRESS_KINDS = frozenset({NEVER_LEARNED, "stalled", "collapsed"})
 """Ends after which halving the LR is a guess that rarely suffices: it moves by the factor squared (a run that
 stopped learning at its LR, rather than one that spiked, was not near the edge of stability but well past it). A
-run that never learned may instead have had too low an LR: its probe also tries one above (``probe.upward_lr``)."""
+run that never learned may instead have had too low an LR: its probe also tries LRs above (``probe.upward_lrs``)."""
 EARLY_FRACTION = 0.1
 """A divergence within this fraction of max_steps (and 10 steps) is early: without a warmup, one is added."""
 

@@ -15,7 +15,7 @@ from typer.testing import CliRunner
 
 import api.cli  # noqa: F401  (registers the commands)
 from api.cli.app import app
-from tests.recipes import EXPLODING_RNN, recipe_doc
+from tests.recipes import EXPLODING_RNN, SLOW_LSTM, recipe_doc
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]  # whole (small) training runs in this process
 
@@ -149,18 +149,6 @@ def test_a_retry_past_the_step_budget_is_not_started_and_the_probes_steps_count(
     spent = first["final_step"] + second["lr_probe"]["steps_run"] + (second["final_step"] - second["start_step"])
     assert f"step budget exhausted: the attempts so far executed {spent} steps" in out["gave_up"]
     assert "budget of 64 (1.6x max_steps 40; recovery.step_budget)" in out["gave_up"]
-
-
-SLOW_LSTM: dict[str, Any] = {
-    "name": "slow-lstm",
-    "model": {"name": "rnn", "cell": "lstm", "hidden": 32},
-    "data": {"name": "sequence", "task": "copy", "seq_len": 16, "dim": 4},
-    "training": {"max_steps": 150, "batch_size": 16, "seed": 7},
-    "optimizer": {"name": "adam", "lr": 0.001},
-    "schedule": {"warmup_steps": 0, "decay": "cosine"},
-    "checkpoint": {"every_steps": 25},
-}
-"""An LSTM on the copy task at Adam 1e-3: too low an LR to learn anything in 150 steps (4e-3 and above learn)."""
 
 
 def test_a_run_that_never_learned_at_too_low_an_lr_is_retried_at_a_higher_one(tmp_path: Path) -> None:

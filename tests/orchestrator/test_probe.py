@@ -356,6 +356,11 @@ def test_upward_lrs(detector: str | None, diverged_lrs: tuple[float, ...], expec
     assert upward_lrs(detector, 1e-2, 0.25, diverged_lrs, 3) == pytest.approx(expected)
 
 
+def test_no_upward_lr_above_what_a_recipe_may_hold() -> None:
+    assert upward_lrs("never_learned", 2.0, 0.25, (), 6) == pytest.approx((8.0, 32.0))  # 128 > MAX_LR (100)
+    assert upward_lrs("never_learned", 30.0, 0.25, (), 6) == ()
+
+
 def test_an_upward_candidate_takes_the_lowest_cuts_place_and_the_rest_extend_the_probe() -> None:
     got = probe_plan(probe_recipe(mode="on"), cut(2.5e-3), upward=(4e-2, 0.16))
     assert got is not None and got.candidates == pytest.approx((4e-2, 2.5e-3, 6.25e-4))  # still three candidates

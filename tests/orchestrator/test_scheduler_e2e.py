@@ -28,7 +28,7 @@ from orchestrator.settings import Settings
 from orchestrator.store.db import make_engine, make_session_factory, transaction
 from orchestrator.store.models import AnomalyRow, Attempt, CheckpointRow, MetricPoint, Run
 from orchestrator.store.repo import create_run, request_cancel
-from tests.recipes import EXPLODING_RNN, recipe_doc
+from tests.recipes import EXPLODING_RNN, SLOW_LSTM, recipe_doc
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow, pytest.mark.timeout(600)]
 REPO = Path(__file__).resolve().parents[2]
@@ -304,6 +304,35 @@ def test_a_retry_probes_its_lr_and_trains_at_the_one_it_chose(
     assert probe["if_clean"] == {"schedule.warmup_steps": 0} and "schedule.warmup_steps" not in second.overrides
     assert len(lrs) == 40 and lrs == pytest.approx([probe["chosen"]] * 40)
     assert steps_of(factory, second.id) == list(range(40))  # restarted from initialisation; no probe step in it
+
+
+def test_a_run_that_never_learned_is_retried_at_the_higher_lr_its_probe_climbed_to(
+    ray_cluster: Any, store: tuple[Settings, sessionmaker[Session]]
+) -> None:
+    """An LSTM at Adam 1e-3 never learns the copy task; through the service the retry's probe tries 4x that LR
+    first, climbs while the highest LR tried is the best, and the store records the LR it climbed to as the
+    attempt's override, and the attempt trains at it."""
+    settings, factory = store
+    doc = recipe_doc(SLOW_LSTM, name="slow-lstm", training={**SLOW_LSTM["training"], "max_steps": 80},
+                     recovery={"lr_probe": {"mode": "on", "steps": 8}})
+    run_id = submit(factory, doc)
+    drive(Scheduler(settings, factory), factory, run_id)
+
+    first, second = attempts_of(factory, run_id)
+    assert first.state == "diverged" and (first.outcome or {}).get("detector") == "never_learned"
+    probe = second.plan["lr_probe"]
+    lr = SLOW_LSTM["optimizer"]["lr"]
+    assert probe["candidates"][0] == pytest.approx(4 * lr) and probe["extend"]
+    ran = probe["candidates_run"]
+    assert len(ran) > len(probe["candidates"])  # it climbed
+    assert probe["chosen"] > 4 * lr and second.overrides["optimizer.lr"] == [lr, probe["chosen"]]
+    with transaction(factory) as s:
+        lrs = list(s.scalars(sa.select(MetricPoint.lr).where(MetricPoint.attempt_id == second.id)
+                             .order_by(MetricPoint.step)))
+    assert lrs[0] == pytest.approx(probe["chosen"])  # cosine decay from the chosen LR, no warmup
+    with transaction(factory) as s:
+        run = s.get(Run, run_id)
+        assert run is not None and run.state == "succeeded", run.reason
 
 
 def test_a_worker_killed_inside_the_probe_is_restarted_into_the_probe_again(
