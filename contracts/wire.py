@@ -150,7 +150,8 @@ class ProbePlan:
     extend: tuple[float, ...] = ()
     """LRs above every candidate, ascending, each tried (``steps`` steps) only while the highest LR tried so far is
     the best and trained cleanly: a line search upwards after a run that never learned, whose LR may have been far
-    too low (``orchestrator/policy/probe.py: upward_lrs``)."""
+    too low (``orchestrator/policy/probe.py: upward_lrs``), or the LR between the cut and the one that failed
+    (``refine_above``)."""
 
     def __post_init__(self) -> None:
         if len(self.candidates) < 2 or any(not (math.isfinite(c) and c > 0) for c in self.candidates):
@@ -169,8 +170,12 @@ class ProbePlan:
 
     @property
     def max_steps(self) -> int:
-        """The most steps the probe can train: every candidate, the replay at its own count, and every extension."""
-        return sum(self.steps_of(i) for i in range(len(self.candidates))) + len(self.extend) * self.steps
+        """The most steps the probe can train: every candidate (the replay at its own count), or the first two and
+        every extension. The candidates descend from the highest, and the descent stops once one scores worse than
+        one above it (``workers/lr_probe.py: past_the_best``); the extension runs only while the highest LR tried is
+        the best, so only when the first beat the second, which ended the descent there."""
+        every = sum(self.steps_of(i) for i in range(len(self.candidates)))
+        return max(every, self.steps_of(0) + self.steps_of(1) + len(self.extend) * self.steps)
 
     def to_dict(self) -> dict[str, Any]:
         out: dict[str, Any] = {"candidates": list(self.candidates), "steps": self.steps}

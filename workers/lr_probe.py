@@ -65,6 +65,17 @@ def highest_is_best(runs: Sequence[CandidateRun]) -> bool:
     return runs[top].failed is None and choose(runs)[0] == top
 
 
+def past_the_best(runs: Sequence[CandidateRun]) -> bool:
+    """Whether the descent through the candidates (highest LR first) may stop: the last one scored worse than one
+    above it that trained cleanly. Lower LRs descend slower still over a probe's few steps, so they would not be
+    chosen (``choose``); the steps go to the extension instead (``ProbePlan.extend``: an LR between the cut and
+    the one that failed)."""
+    if len(runs) < 2:
+        return False
+    best_above = min(r.score for r in runs[:-1])
+    return math.isfinite(best_above) and runs[-1].score > best_above
+
+
 def _fmt(x: float) -> str:
     return format(x, ".4g")
 
@@ -102,6 +113,8 @@ def run_probe(spec: AttemptSpec, plan: ProbePlan, ctx: WorkerContext, resume_dir
             break
         if plan.replay and len(runs) == 1 and failed is None:
             break  # the replay trained cleanly: the settings were not the cause, and they are the user's to tune
+        if past_the_best(runs):
+            break
     for lr in plan.extend:
         if runs[-1].failed == STOPPED or not highest_is_best(runs):
             break

@@ -86,7 +86,10 @@ class LrProbe(Section):
     reaches once warmed up, and keeps the one whose loss ends lowest without a rollback-worthy anomaly. After a run
     that never learned, the first candidate is ``1 / spacing`` times the ended LR instead (the lowest cut goes),
     and while the highest LR tried is the best the probe climbs on (twice ``candidates`` LRs above at most). The
-    probe's steps are charged to the run (the attempt's ``plan.lr_probe.steps_run``)."""
+    descent through the candidates stops once one scores worse than one above it; when the cut then scores best
+    and the ended attempt failed within the probe's span of the retry's start point, the LR between the cut and
+    the one that failed is tried instead. The probe's steps are charged to the run (the attempt's
+    ``plan.lr_probe.steps_run``)."""
 
     mode: ProbeMode = ProbeMode.auto
     """auto: probe when its steps (candidates × steps) are at most ``max_fraction`` of ``training.max_steps`` (on a

@@ -29,7 +29,8 @@ from 1.25x to 1.31x of its steps), nor the verdicts judged over a whole run, suc
 
 
 def probe_plan(
-    eff: Recipe, changes: Sequence[Change], *, replay_through: int | None = None, upward: Sequence[float] = ()
+    eff: Recipe, changes: Sequence[Change], *, replay_through: int | None = None, upward: Sequence[float] = (),
+    refine: Sequence[float] = (),
 ) -> ProbePlan | None:
     """The probe of a retry that makes ``changes`` to ``eff``: none unless one moves the LR. Its candidates: the
     new LR, then each ``spacing`` times the previous, floored at ``min_lr`` (a candidate at the floor is the last).
@@ -37,7 +38,8 @@ def probe_plan(
 
     ``upward`` (the caller's, see ``upward_lrs``): LRs above the ended attempt's, ascending. The first is probed
     first, in place of the lowest cut candidate, so the planned probe costs what it did and spans both directions;
-    the rest are its extension (``ProbePlan.extend``).
+    the rest are its extension (``ProbePlan.extend``). ``refine`` (the caller's, see ``refine_above``): LRs between
+    the cut and the ended attempt's, also an extension; not with a replay, which tries the ended LR itself.
 
     When the retry also adds a warmup to a schedule that had none (``warmup_change``: an early divergence), the plan
     takes it back should the chosen candidate train cleanly (``if_clean``): that candidate trained its steps at a
@@ -82,8 +84,9 @@ def probe_plan(
         if_clean = {WARMUP: eff.schedule.warmup_steps}
         if any(c.path == WARMUP_FRACTION for c in changes):
             if_clean[WARMUP_FRACTION] = eff.schedule.warmup_fraction
+    extend = tuple(upward[1:]) if upward else () if replay else tuple(r for r in refine if r > max(candidates))
     return ProbePlan(candidates=tuple(candidates), steps=steps, if_clean=if_clean, replay=replay,
-                     replay_steps=through if replay else 0, extend=tuple(upward[1:]))
+                     replay_steps=through if replay else 0, extend=extend)
 
 
 def upward_lrs(
@@ -112,6 +115,29 @@ def upward_lrs(
             break
         ups.append(up)
     return tuple(ups)
+
+
+def refine_above(
+    detector: str | None, ended_lr: float, new_lr: float, stopped_after: int | None, steps: int
+) -> tuple[float, ...]:
+    """The LR between the cut and the ended attempt's that the retry's probe also tries (empty: none): their
+    geometric mean, as an extension (``ProbePlan.extend``), so it trains only when the cut itself scored best and
+    trained cleanly (the worker stops descending once a candidate scores worse than one above it, so the probe
+    still runs as many candidates as planned). Only after an end the detectors stopped (not ``never_learned``,
+    which looks above the ended LR itself, ``upward_lrs``) within the probe's own span of its start point
+    (``stopped_after``: the step that failed, counted from the retry's start as ``replay_steps`` counts it, so a
+    candidate reaches it within its ``steps``).
+
+    Why: the cut is a fixed factor below an LR that failed, and when the highest candidate is the best the better LR
+    may lie between them (full-batch GD 1.1x past its stability limit cut 4x trains at a quarter of the LR that
+    would have been stable). Only within the probe's span, because a probe can vouch for an LR over no more steps
+    than it runs: there the ended LR failed within that span from the same start, so a clean candidate between is
+    evidence; after a late divergence a short clean run says nothing about the steps where the LR failed."""
+    if detector is None or detector == NEVER_LEARNED or stopped_after is None or not 0 <= stopped_after < steps:
+        return ()
+    if not ended_lr > new_lr > 0:
+        return ()
+    return ((ended_lr * new_lr) ** 0.5,)
 
 
 def replay_steps(

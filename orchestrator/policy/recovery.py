@@ -101,7 +101,7 @@ from typing import Any
 from contracts.overrides import apply_overrides, get_path
 from contracts.recipe import DType, Recipe, Recovery, RecoveryStrategy, TightenOrder
 from contracts.wire import ProbePlan, one_line
-from orchestrator.policy.probe import probe_plan, replay_steps, upward_lrs
+from orchestrator.policy.probe import probe_plan, refine_above, replay_steps, upward_lrs
 from orchestrator.policy.tightening import (
     AGC,
     DTYPE,
@@ -462,12 +462,8 @@ def _numeric_retry(
     resume_step = resume.step if resume is not None else 0
     replay = replay_steps(last.detector, last.final_step, resume_step=resume_step, used=used,
                           skip_data_window=rec.skip_data_window)
-    too_high = [effective_recipe(recipe, a.overrides).optimizer.lr for a in budgeted
-                if a.outcome == "diverged" and a.detector != NEVER_LEARNED]
-    # as many upward LRs as twice the probe's candidates: the probe's own cost again at most, and room to climb
-    # 4^6 = 4096x (an LR 200x below its reference's took five steps up on the eighth fresh set)
-    upward = upward_lrs(last.detector, eff.optimizer.lr, rec.lr_probe.spacing, too_high, 2 * rec.lr_probe.candidates)
-    probe = probe_plan(eff, changes, replay_through=replay, upward=upward)
+    upward, refine = _beyond_the_cut(recipe, eff, budgeted, last, changes, resume_step)
+    probe = probe_plan(eff, changes, replay_through=replay, upward=upward, refine=refine)
     if probe is not None and probe.replay and on_recurrence is not None:
         # the replay is the recurrence test: only if it fails do the other candidates train, and a divergence that
         # recurs at the same settings from the same point turns the second knob too (the replay reverts it)
@@ -488,12 +484,8 @@ def _numeric_retry(
         texts.append(f"re-warm {rewarm} steps")
     if probe is not None:
         texts.append(_probe_text(probe, rewarm))
-        if upward and probe.candidates[0] == upward[0]:
-            text = (f"the first, {num(upward[0])}, is above the attempt's LR: a run that never learned may have "
-                    "trained too slowly, and the probe shows which way the loss falls faster")
-            if probe.extend:
-                text += f"; then {', '.join(num(c) for c in probe.extend)} while the highest tried is the best"
-            texts.append(text)
+        if probe.extend or (upward and probe.candidates[0] == upward[0]):
+            texts.append(_beyond_the_cut_text(probe, upward, (last.final_step or 0) - resume_step))
     data_offset = last.data_offset
     if rec.skip_data_window:
         data_offset += max(0, onset - resume_step + 1)
@@ -508,6 +500,38 @@ def _numeric_retry(
         reason=f"{_ended(last, onset)}; {where}; " + ", ".join(texts),
         lr_probe=probe,
     )
+
+
+def _beyond_the_cut(
+    recipe: Recipe, eff: Recipe, budgeted: Sequence[AttemptRecord], last: AttemptRecord, changes: Sequence[Change],
+    resume_step: int,
+) -> tuple[tuple[float, ...], tuple[float, ...]]:
+    """The LRs the retry's probe tries besides its cuts: above the ended LR after a run that never learned
+    (``upward_lrs``), or between the cut and the ended LR after an early failure (``refine_above``)."""
+    rec = eff.recovery
+    if last.detector == NEVER_LEARNED:
+        too_high = [effective_recipe(recipe, a.overrides).optimizer.lr for a in budgeted
+                    if a.outcome == "diverged" and a.detector != NEVER_LEARNED]
+        # as many upward LRs as twice the probe's candidates: the probe's own cost again at most, and room to climb
+        # 4^6 = 4096x (an LR 200x below its reference's took five steps up on the eighth fresh set)
+        return upward_lrs(last.detector, eff.optimizer.lr, rec.lr_probe.spacing, too_high,
+                          2 * rec.lr_probe.candidates), ()
+    new_lr = next((c.new for c in changes if c.path == LR), None)
+    if new_lr is None or last.final_step is None:
+        return (), ()
+    return (), refine_above(last.detector, eff.optimizer.lr, new_lr, last.final_step - resume_step,
+                            rec.lr_probe.steps_for(eff.training.max_steps))
+
+
+def _beyond_the_cut_text(probe: ProbePlan, upward: Sequence[float], stopped_after: int) -> str:
+    if not upward:
+        return (f"then {num(probe.extend[0])}, between the cut and the LR that failed, should the cut score best "
+                f"(the attempt failed at step {stopped_after + 1} from this start point, within the probe's span)")
+    text = (f"the first, {num(upward[0])}, is above the attempt's LR: a run that never learned may have "
+            "trained too slowly, and the probe shows which way the loss falls faster")
+    if probe.extend:
+        text += f"; then {', '.join(num(c) for c in probe.extend)} while the highest tried is the best"
+    return text
 
 
 def _tightening(

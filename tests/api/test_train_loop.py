@@ -169,11 +169,17 @@ def test_a_run_that_never_learned_at_too_low_an_lr_is_retried_at_a_higher_one(tm
     def score(c: dict[str, Any]) -> float:
         return math.inf if c["score"] is None else float(c["score"])  # None: it failed
 
-    # each extension ran only because the highest LR before it had the lowest score
-    for n in range(len(probe["candidates"]), len(ran)):
+    # the candidates descended only while each was the best so far, and each extension ran only because the
+    # highest LR before it had the lowest score
+    top = max(probe["candidates"])
+    extended = [n for n, c in enumerate(ran) if c["lr"] > top]
+    assert extended and extended == list(range(extended[0], len(ran)))
+    for n in range(1, extended[0] - 1):
+        assert score(ran[n]) <= min(score(c) for c in ran[:n])
+    for n in extended:
         before = ran[:n]
         assert min(before, key=score) is max(before, key=lambda c: c["lr"])
-    assert len(ran) > len(probe["candidates"]) and probe["steps_run"] == sum(c["steps"] for c in ran)
+    assert probe["steps_run"] == sum(c["steps"] for c in ran)
     assert probe["chosen"] == min(ran, key=score)["lr"] > 4 * lr
     assert second["overrides"]["optimizer.lr"] == [lr, probe["chosen"]]
     assert "above the attempt's LR" in first["decision"]

@@ -11,7 +11,7 @@ import pytest
 
 from contracts.recipe import ProbeMode, RecipeError, load_recipe
 from contracts.wire import AttemptSpec, ProbePlan
-from orchestrator.policy.probe import apply_probe_result, probe_plan, replay_steps, upward_lrs
+from orchestrator.policy.probe import apply_probe_result, probe_plan, refine_above, replay_steps, upward_lrs
 from orchestrator.policy.recovery import AttemptRecord, RecoveryPlan, decide
 from orchestrator.policy.tightening import LR, MAX_NORM, METHOD, WARMUP, WARMUP_FRACTION, Change
 from tests.recipes import build_recipe
@@ -364,10 +364,26 @@ def test_no_upward_lr_above_what_a_recipe_may_hold() -> None:
 def test_an_upward_candidate_takes_the_lowest_cuts_place_and_the_rest_extend_the_probe() -> None:
     got = probe_plan(probe_recipe(mode="on"), cut(2.5e-3), upward=(4e-2, 0.16))
     assert got is not None and got.candidates == pytest.approx((4e-2, 2.5e-3, 6.25e-4))  # still three candidates
-    assert got.extend == (0.16,) and got.max_steps == 4 * got.steps  # the budget counts the extension
+    assert got.extend == (0.16,) and got.max_steps == 3 * got.steps  # the first two and the extension, at most
     assert ProbePlan.from_plan({"lr_probe": got.to_dict()}) == got  # it travels with the plan
     two = probe_plan(probe_recipe(mode="on", candidates=2), cut(2.5e-3), upward=(4e-2,))
     assert two is not None and two.candidates == (4e-2, 2.5e-3) and two.extend == ()
+
+
+@pytest.mark.parametrize(
+    ("plan", "expected"),
+    [
+        (ProbePlan(candidates=(0.1, 0.025, 0.00625), steps=10), 30),
+        (ProbePlan(candidates=(0.1, 0.025, 0.00625), steps=10, extend=(0.2,)), 30),  # the third, or the extension
+        (ProbePlan(candidates=(0.1, 0.025, 0.00625), steps=10, extend=(0.4, 1.6, 6.4)), 50),
+        (ProbePlan(candidates=(0.1, 0.025), steps=10, extend=(0.2,)), 30),
+        (ProbePlan(candidates=(1.0, 0.25, 0.0625), steps=10, replay={LR: 1.0}, replay_steps=25), 45),
+    ],
+)
+def test_the_most_steps_a_probe_can_train(plan: ProbePlan, expected: int) -> None:
+    """Every candidate, or (an extension runs only when the first beat the second, which ends the descent) the
+    first two and every extension: what the step budget reserves."""
+    assert plan.max_steps == expected
 
 
 @pytest.mark.parametrize("extend", [(1e-3,), (0.2, 0.1), (math.inf,)])
@@ -408,3 +424,53 @@ def test_no_upward_candidate_reaches_an_lr_that_diverged_before() -> None:
     p = decide(probe_recipe(mode="on"), history, [])
     assert isinstance(p, RecoveryPlan) and p.lr_probe is not None
     assert max(p.lr_probe.candidates) < 2.5e-3 and "above the attempt's LR" not in p.reason
+
+
+@pytest.mark.parametrize(
+    ("detector", "stopped_after", "expected"),
+    [
+        ("divergence", 7, (0.5,)),       # the geometric mean of the cut (0.25) and the LR that failed (1.0)
+        ("loss_spike", 9, (0.5,)),       # its 10th step: a candidate's 10 steps would have seen it fail
+        ("nonfinite", 0, (0.5,)),        # its first step
+        ("divergence", 10, ()),          # past the span: a clean short run vouches for nothing there
+        ("divergence", -1, ()),
+        ("divergence", None, ()),
+        ("stalled", 200, ()),            # an end judged over a whole run is never within a probe's span
+        ("never_learned", 5, ()),        # looks above the ended LR itself (upward_lrs)
+        (None, 5, ()),
+    ],
+)
+def test_refine_above(detector: str | None, stopped_after: int | None, expected: tuple[float, ...]) -> None:
+    assert refine_above(detector, 1.0, 0.25, stopped_after, 10) == pytest.approx(expected)
+
+
+def test_no_refinement_unless_the_cut_lies_below_the_ended_lr() -> None:
+    assert refine_above("divergence", 1.0, 1.0, 3, 10) == ()
+    assert refine_above("divergence", 1.0, 2.0, 3, 10) == ()
+
+
+def diverged_at(final_step: int, detector: str = "divergence") -> AttemptRecord:
+    return AttemptRecord(number=1, kind="initial", outcome="diverged", start_step=0, onset_step=final_step,
+                         final_step=final_step, detector=detector)
+
+
+def test_an_early_divergence_probes_between_the_cut_and_the_lr_that_failed_and_says_why() -> None:
+    """Diverged at step 6 from initialisation, within a 100-step probe's span: the retry's probe may try the LR
+    between its cut (an early divergence: 4x, to 2.5e-3) and the one that failed (1e-2), should the cut score best."""
+    p = decide(probe_recipe(mode="on"), [diverged_at(6)], [])
+    assert isinstance(p, RecoveryPlan) and p.lr_probe is not None and p.lr_probe.replay == {}
+    assert p.lr_probe.candidates == pytest.approx((2.5e-3, 6.25e-4, 1.5625e-4))
+    assert p.lr_probe.extend == pytest.approx((5e-3,))  # the geometric mean of 2.5e-3 and 1e-2
+    assert p.lr_probe.max_steps == 3 * p.lr_probe.steps  # it takes the lowest cut's place: the reservation stands
+    assert "then 0.005, between the cut and the LR that failed, should the cut score best (the attempt failed at " \
+           "step 7 from this start point, within the probe's span)" in p.reason
+    assert ProbePlan.from_plan(p.plan_json()) == p.lr_probe
+
+
+def test_a_late_divergence_or_a_replay_is_not_refined_above_the_cut() -> None:
+    late = decide(probe_recipe(mode="on"), [diverged_at(900)], [])  # 900 steps from initialisation: past the span
+    assert isinstance(late, RecoveryPlan) and late.lr_probe is not None and late.lr_probe.extend == ()
+    assert "between the cut" not in late.reason
+    replayed = decide(probe_recipe(mode="on"), [diverged_at(6, "loss_spike")], [])  # the replay tries 1e-2 itself
+    assert isinstance(replayed, RecoveryPlan) and replayed.lr_probe is not None and replayed.lr_probe.replay
+    assert replayed.lr_probe.extend == ()

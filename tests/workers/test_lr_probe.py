@@ -15,7 +15,7 @@ import pytest
 from contracts.wire import AttemptSpec, ProbePlan
 from tests.recipes import EXPLODING_RNN, build_recipe
 from workers.entry import run_attempt
-from workers.lr_probe import CandidateRun, choose, highest_is_best, with_lr
+from workers.lr_probe import CandidateRun, choose, highest_is_best, past_the_best, with_lr
 from workers.schedule import lr_at
 from workers.sinks import ListSink
 
@@ -61,6 +61,58 @@ def test_choose(candidates: list[CandidateRun], expected: int, why: str) -> None
 def test_highest_is_best(candidates: list[CandidateRun], expected: bool) -> None:
     """Whether an upward probe climbs on (``ProbePlan.extend``)."""
     assert highest_is_best(candidates) is expected
+
+
+@pytest.mark.parametrize(
+    ("candidates", "expected"),
+    [
+        (runs((4e-2, [3, 1.0], None)), False),                                    # one tried: nothing to compare
+        (runs((4e-2, [3, 1.0], None), (1e-2, [3, 2.0], None)), True),             # the lower LR did worse: stop
+        (runs((4e-2, [3, 2.0], None), (1e-2, [3, 1.0], None)), False),            # it did better: descend on
+        (runs((4e-2, [3, 0.1], "divergence"), (1e-2, [3, 2.0], None)), False),    # the top failed: descend on
+        (runs((4e-2, [3, 2.0], None), (1e-2, [3, 1.0], None), (2.5e-3, [3, 1.5], None)), True),
+        (runs((4e-2, [3, 1.0], None), (1e-2, [3, 9.0], "loss_spike")), True),     # a lower LR failed: stop
+        (runs((4e-2, [3, 1.0], None), (1e-2, [3, 1.0], None)), False),            # a tie is not worse
+    ],
+)
+def test_past_the_best(candidates: list[CandidateRun], expected: bool) -> None:
+    """Whether the probe stops descending through its candidates (the steps go to its extension instead)."""
+    assert past_the_best(candidates) is expected
+
+
+LSQ: dict[str, Any] = {
+    "name": "lsq-gd",
+    "model": {"name": "linear"},
+    "data": {"name": "regression", "dim": 16, "noise": 0.1, "condition": 10.0, "seed": 7, "fixed_design": True,
+             "num_samples": 64},
+    "training": {"max_steps": 30, "batch_size": 64, "seed": 0},
+    "optimizer": {"name": "sgd", "lr": 0.2264, "momentum": 0.0},
+    "schedule": {"warmup_steps": 0, "decay": "constant"},
+    "clipping": {"method": "none"},
+    "checkpoint": {"every_steps": 10},
+    "success": {"min_progress": 0.0, "early_min_progress": 0.0},
+}
+"""Full-batch GD on a fixed-design least-squares problem whose MSE Hessian has lambda_max 2.4293, so GD is stable
+below lr 0.8233 (the divergence benchmark's ``dev-lsq-sgd-beyond-limit``); 0.2264 is a quarter of 1.1x that limit."""
+
+
+def test_a_cut_that_scores_best_is_refined_upwards_in_place_of_the_lowest_candidate(tmp_path: Path) -> None:
+    """Full-batch GD diverged at 1.1x its stability limit and the retry cut its LR 4x: on a quadratic the highest
+    stable LR descends fastest, so the cut beats a quarter of it, the probe stops descending there and tries the LR
+    between the cut and the one that failed (0.55x the limit's LR: stable), which the loss then chooses."""
+    plan = ProbePlan(candidates=(0.2264, 0.0566, 0.01415), steps=10, extend=(0.4528,))
+    sink = ListSink()
+    probed = run_attempt(AttemptSpec(recipe=build_recipe(LSQ), checkpoint_dir=str(tmp_path / "probed"), attempt=2,
+                                     lr_probe=plan), sink)
+    [event] = sink.of_type("lr_probe")
+    tried = [(c["lr"], c["failed"], c["steps"]) for c in event["candidates"]]
+    assert tried == [(0.2264, None, 10), (0.0566, None, 10), (0.4528, None, 10)]  # no 0.01415: the steps went up
+    scores = [c["score"] for c in event["candidates"]]
+    assert scores[2] < scores[0] < scores[1]  # found from the numbers: the loss fell fastest at the top
+    assert event["chosen"] == 0.4528 and event["steps_run"] == 30
+    plain = run_attempt(with_lr(AttemptSpec(recipe=build_recipe(LSQ), checkpoint_dir=str(tmp_path / "plain"),
+                                            attempt=2), 0.4528))
+    assert probed.losses == plain.losses and len(plain.losses) == 30
 
 
 def test_the_score_is_the_mean_of_the_last_quarter() -> None:
