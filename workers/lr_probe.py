@@ -98,30 +98,7 @@ def run_probe(spec: AttemptSpec, plan: ProbePlan, ctx: WorkerContext, resume_dir
     """Probe ``plan``'s candidates from ``spec``'s start point (every rank). Returns the spec to train with (the
     chosen LR, no probe) and the ``lr_probe`` event's data. A stop request on ``sink`` (rank 0's) ends the probe
     after the step that sees it; the attempt then stops at its first step."""
-    runs: list[CandidateRun] = []
-    start_step = 0
-    quiet = None if sink is None else StopOnlySink(sink)
-    for i, lr in enumerate(plan.candidates):
-        replaying = bool(plan.replay) and i == 0  # the ended attempt's settings: every one the retry changed
-        trainer = GuardedTrainer(with_lr(spec, lr, plan.replay if replaying else None), ctx, sink=quiet,
-                                 resume_dir=resume_dir)
-        start_step = trainer.start_step
-        losses, failed = trainer.probe(plan.steps_of(i))
-        runs.append(CandidateRun(lr=lr, losses=tuple(losses), failed=failed))
-        del trainer
-        if failed == STOPPED:
-            break
-        if plan.replay and len(runs) == 1 and failed is None:
-            break  # the replay trained cleanly: the settings were not the cause, and they are the user's to tune
-        if past_the_best(runs):
-            break
-    for lr in plan.extend:
-        if runs[-1].failed == STOPPED or not highest_is_best(runs):
-            break
-        trainer = GuardedTrainer(with_lr(spec, lr), ctx, sink=quiet, resume_dir=resume_dir)
-        losses, failed = trainer.probe(plan.steps)
-        runs.append(CandidateRun(lr=lr, losses=tuple(losses), failed=failed))
-        del trainer
+    runs, start_step = _search(spec, plan, ctx, resume_dir, None if sink is None else StopOnlySink(sink))
     pick, why = choose(runs)
     chosen = runs[pick].lr
     clean = runs[pick].failed is None
@@ -150,6 +127,37 @@ def run_probe(spec: AttemptSpec, plan: ProbePlan, ctx: WorkerContext, resume_dir
     if spec.rewarm_steps:
         event["rewarm_steps"] = 0
     return replace(with_lr(spec, chosen, settings), rewarm_steps=0), event
+
+
+def _search(spec: AttemptSpec, plan: ProbePlan, ctx: WorkerContext, resume_dir: str | Path | None,
+            quiet: EventSink | None) -> tuple[list[CandidateRun], int]:
+    """Train the plan's candidates, highest first, while each is the best so far (``past_the_best``), then its
+    extension while the highest LR tried is the best; the runs, and the step they started from."""
+    runs: list[CandidateRun] = []
+    start_step = 0
+
+    def train(lr: float, steps: int, settings: Mapping[str, Any] | None = None) -> str | None:
+        nonlocal start_step
+        trainer = GuardedTrainer(with_lr(spec, lr, settings), ctx, sink=quiet, resume_dir=resume_dir)
+        start_step = trainer.start_step
+        losses, failed = trainer.probe(steps)
+        runs.append(CandidateRun(lr=lr, losses=tuple(losses), failed=failed))
+        return failed
+
+    for i, lr in enumerate(plan.candidates):
+        replaying = bool(plan.replay) and i == 0  # the ended attempt's settings: every one the retry changed
+        failed = train(lr, plan.steps_of(i), plan.replay if replaying else None)
+        if failed == STOPPED:
+            break
+        if replaying and failed is None:
+            break  # the replay trained cleanly: the settings were not the cause, and they are the user's to tune
+        if past_the_best(runs):
+            break
+    for lr in plan.extend:
+        if runs[-1].failed == STOPPED or not highest_is_best(runs):
+            break
+        train(lr, plan.steps)
+    return runs, start_step
 
 
 def _ramps(spec: AttemptSpec, plan: ProbePlan) -> str:

@@ -9,7 +9,8 @@ A scenario that has been looked at is no longer fresh: BENCHMARKS.md says which 
 NAME the first set runs; ``--set 2026-12-05`` runs the second (``SCENARIOS_2026_12_05``: six unstable recipes, three
 healthy controls), ``--set 2026-12-06``, ``--set 2026-12-06b`` and ``--set 2026-12-06c`` the third to fifth
 (``SCENARIOS_2026_12_06``, ``..._06B``, ``..._06C``, the same shape), ``--set 2026-12-06d`` to ``--set 2026-12-06g``
-the sixth to ninth (eight unstable, three controls each); their names are also accepted one by one.
+the sixth to ninth (eight unstable, three controls each), ``--set 2026-12-07`` the tenth (seven unstable, three
+controls); their names are also accepted one by one.
 """
 
 from __future__ import annotations

@@ -122,11 +122,11 @@ def refine_above(
 ) -> tuple[float, ...]:
     """The LR between the cut and the ended attempt's that the retry's probe also tries (empty: none): their
     geometric mean, as an extension (``ProbePlan.extend``), so it trains only when the cut itself scored best and
-    trained cleanly (the worker stops descending once a candidate scores worse than one above it, so the probe
-    still runs as many candidates as planned). Only after an end the detectors stopped (not ``never_learned``,
-    which looks above the ended LR itself, ``upward_lrs``) within the probe's own span of its start point
-    (``stopped_after``: the step that failed, counted from the retry's start as ``replay_steps`` counts it, so a
-    candidate reaches it within its ``steps``).
+    trained cleanly. The worker then has stopped descending at the second candidate (it stops once one scores worse
+    than one above it), so with three candidates or more (the default) the probe trains no more runs than planned.
+    Only after an end the detectors stopped (not ``never_learned``, which looks above the ended LR itself,
+    ``upward_lrs``) within the probe's own span of its start point (``stopped_after``: the step that failed, counted
+    from the retry's start as ``replay_steps`` counts it, so a candidate reaches it within its ``steps``).
 
     Why: the cut is a fixed factor below an LR that failed, and when the highest candidate is the best the better LR
     may lie between them (full-batch GD 1.1x past its stability limit cut 4x trains at a quarter of the LR that
