@@ -122,7 +122,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--case", action="append", default=None, help="Only this case (repeatable).")
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
     parser.add_argument("--no-plots", action="store_true", help="Skip the PNGs (no matplotlib needed).")
-    parser.add_argument("--timeout", type=float, default=3600.0, help="Seconds to wait for all runs.")
+    parser.add_argument("--timeout", type=float, default=7200.0,
+                        help="Seconds to wait for all runs (both halves took 39 min on one 2-core machine, over an "
+                             "hour on a slower one).")
     parser.add_argument("--keep-home", action="store_true", help="Keep the service's BALLAST_HOME (prints it).")
     parser.add_argument("--attach", metavar="URL", default=None,
                         help="Submit nothing: read the runs of an earlier invocation from the `ballast serve` at URL "
