@@ -61,7 +61,7 @@ from workers.precision import LossScaler
 from workers.sharded_checkpoint import SHARDS, shards_meta, stage_shards, staging_root, without_sharded_parts
 from workers.sharding import all_finite, fsdp_enabled
 from workers.sinks import EventSink
-from workers.verdict import EvalEvidence, eval_regression_limit
+from workers.verdict import EvalEvidence, StallClock, eval_regression_limit
 
 
 @dataclass(frozen=True)
@@ -77,6 +77,8 @@ class TrainingState:
     scaler: LossScaler
     detectors: DetectorSuite
     clipper: Clipper
+    stall_clock: StallClock
+    """The lineage's stall clock: a resume neither restarts it nor forgets how long the lineage stood still."""
     comm_state: Any = None
     """PowerSGD's state when that comm hook is on, else None."""
     evals: EvalHistory | None = None
@@ -100,6 +102,7 @@ class TrainingState:
             "scaler": self.scaler.state_dict(),
             "detectors": self.detectors.state_dict(),
             "clipper": self.clipper.state_dict(),
+            "stall_clock": self.stall_clock.state_dict(),
             "comm_hook": [r["comm_hook"] for r in per_rank],
             "rng": [r["rng"] for r in per_rank],
             "progress": progress,
@@ -123,6 +126,7 @@ class TrainingState:
         self.scaler.load_state_dict(saved["scaler"])
         self.detectors.load_state_dict(saved["detectors"])
         self.clipper.load_state_dict(saved["clipper"])
+        self.stall_clock.load_state_dict(saved.get("stall_clock") or {})  # none in a checkpoint written before it
         if self.evals is not None and saved.get("evals"):  # a checkpoint written without eval has none
             self.evals.load_state_dict(saved["evals"])
         same_world = saved["progress"].get("world_size") == world_size

@@ -74,6 +74,7 @@ from workers.verdict import (
     COLLAPSE_BASELINE_STEPS,
     EvalEvidence,
     Evidence,
+    StallClock,
     Verdict,
     collapse_window,
     early_check_step,
@@ -82,7 +83,6 @@ from workers.verdict import (
     judge_end,
     judge_progress,
     judge_stall,
-    progress_mark,
     stall_steps,
 )
 
@@ -163,8 +163,10 @@ class GuardedTrainer:
         self.detectors = DetectorSuite(r.detectors, fp16=self.fp16_dynamic)
         self.faults = FaultInjector(r.faults, attempt=spec.attempt, rank=ctx.rank)
         self.evals = EvalHistory() if r.training.eval_interval > 0 else None
+        self.stall_clock = StallClock()
+        """The lineage's stall clock (``verdict.StallClock``), restored on resume."""
         self.state = TrainingState(self.module, self.optimizer, self.scaler, self.detectors, self.clipper,
-                                   self.comm_state, self.evals)
+                                   self.stall_clock, self.comm_state, self.evals)
         self.checkpointer = Checkpointer(spec, ctx, self.sink, self.faults)
 
         self._pending_update_ratio: Tensor | None = None
@@ -195,9 +197,6 @@ class GuardedTrainer:
         self._collapse_last_step = r.training.max_steps // 2 if collapse_on else -1
         """The last step the gradient-collapse rule can fire at (-1: never): a fresh start's first half, with a floor.
         Only a fresh start has its first steps' gradient norms to compare with."""
-        self._progress_mark: tuple[int, float] | None = None
-        """The stall clock (``verdict.progress_mark``). Not checkpointed: a resumed attempt starts it at the restored
-        best, later than or at the lineage's mark, so a resume never makes the rule fire sooner."""
 
     # ------------------------------------------------------------------------------------------ train
     def train(self) -> AttemptOutcome:
@@ -495,7 +494,8 @@ class GuardedTrainer:
             loss_floor=self._loss_floor, trivial_loss=self.data.trivial_loss, noise_std=summary.noise_std,
             vanishing=any(f["kind"] == "vanishing_gradients" for f in self.result.findings),
             start_step=self.start_step,
-            progress_step=None if self._progress_mark is None else self._progress_mark[0],
+            progress_step=None if self.stall_clock.mark is None else self.stall_clock.mark[0],
+            stalled_for=self.stall_clock.longest, stalled_from=self.stall_clock.longest_from,
             eval=None if self.evals is None else self.evals.evidence(),
         )
 
@@ -510,10 +510,11 @@ class GuardedTrainer:
         if self._stall_steps is None or self._loss_floor is None:
             return Verdict(None, "off")
         summary = self.detectors.loss_summary()
-        self._progress_mark = progress_mark(self._progress_mark, best_step=summary.best_step,
-                                            best_loss=summary.best, initial=summary.initial,
-                                            floor=self._loss_floor, min_gain=self.recipe.success.stall_min_gain)
-        if self._progress_mark is None or step - max(self._progress_mark[0], self.start_step) < self._stall_steps:
+        cfg = self.recipe.success
+        clock = self.stall_clock
+        clock.tick(step, best_step=summary.best_step, best_loss=summary.best, initial=summary.initial,
+                   floor=self._loss_floor, min_gain=cfg.stall_min_gain, max_progress=cfg.stall_max_progress)
+        if clock.mark is None or step - max(clock.mark[0], self.start_step) < self._stall_steps:
             return Verdict(None, "improving")
         return judge_stall(self.recipe.success, self._evidence(), step=step, patience=self._stall_steps)
 

@@ -43,7 +43,7 @@ class Success(Section):
     pushed the model into a flat region (saturated softmax, LayerNorm or units), where it descends slowly and ends
     under-trained without any spike. The attempt ends there and, like a stalled one, starts again with a lower LR.
     None turns the rule off."""
-    collapse_max_progress: StrictFloat = Field(default=0.25, gt=0.0, le=1.0)
+    collapse_max_progress: StrictFloat = Field(default=0.3, gt=0.0, le=1.0)
     """The share of the way to the floor below which a gradient collapse counts (see collapse_ratio)."""
     eval_regression_tolerance: StrictFloat | None = Field(default=0.1, ge=0.0, le=10.0)
     """With training.eval_interval: the final held-out (eval) loss may be at most this fraction above the best eval

@@ -350,7 +350,7 @@ def test_a_run_that_never_learns_is_stopped_at_the_early_check_not_succeeded(tmp
 PLATEAU: dict[str, Any] = {
     "model": {"d_model": 64}, "training": {"max_steps": 180, "batch_size": 16, "seed": 3},
     "optimizer": {"lr": 0.2, "weight_decay": 0.01}, "schedule": {"warmup_steps": 40},
-    # its gradients also collapse on the way up (step ~43), which ends it sooner by default; these tests are about
+    # its gradients also collapse on the way up (step ~35), which ends it sooner by default; these tests are about
     # the stall rule, which catches a plateau whatever its gradients do
     "success": {**DEFAULT_SUCCESS, "collapse_ratio": None},
 }
@@ -395,7 +395,8 @@ def test_a_run_whose_gradients_collapse_far_from_its_floor_is_stopped_not_succee
     window = res.final_step - 20
     first, last = sorted(res.grad_norms[:5])[2], sorted(res.grad_norms[window:res.final_step])[10]
     assert last < 0.4 * first  # what the rule read, recomputed from the attempt's own numbers
-    assert sorted(res.losses[window:res.final_step])[10] > 3.45 - 0.25 * (3.45 - 1.245)  # barely on its way
+    bar = Success().collapse_max_progress
+    assert sorted(res.losses[window:res.final_step])[10] > 3.45 - bar * (3.45 - 1.245)  # barely on its way
     safe = run(make_recipe(**{**COLLAPSE, "optimizer": {"lr": 2e-3}}), tmp_path / "safe")
     assert safe.outcome == "succeeded", safe.reason
 
@@ -423,6 +424,30 @@ def test_the_stall_clock_counts_from_the_last_improvement_that_counted(tmp_path:
     assert since < best_step and res.final_step == since + 40
     plain = run(make_recipe(**{**PLATEAU, "success": {**PLATEAU["success"], "stall_min_gain": 0.0}}), tmp_path / "any")
     assert plain.detector == "stalled" and plain.final_step > res.final_step
+
+
+def test_restarts_of_a_stalled_lineage_at_the_same_settings_never_end_it_healthy(tmp_path: Path) -> None:
+    """The baseline's answer to a stall (Ray's FailureConfig): resume from the newest checkpoint with the same
+    settings. While it runs each resume gets a window of its own, so the last one, too close to the end to be
+    judged while it runs, reaches max_steps, creeping lower as the cosine decays the LR. The lineage stood still
+    for more than a window far from its floor, and the checkpoints carry that, so its end is stalled, not healthy
+    (the benchmark's dev-warmup-plateau ended SUCCEEDED at 1.96x its reference this way)."""
+    recipe = make_recipe(**{**PLATEAU, "checkpoint": {"every_steps": 25}})
+    ends: list[AttemptOutcome] = []
+    newest: str | None = None
+    while not ends or (ends[-1].outcome == "diverged" and ends[-1].final_step < 180):
+        assert len(ends) < 8, [e.reason for e in ends]
+        sink = ListSink()
+        res = run(recipe, tmp_path / f"a{len(ends) + 1}", sink, attempt=len(ends) + 1, resume_from=newest)
+        ends.append(res)
+        newest = max(res.checkpoints, key=lambda c: c.step).path if res.checkpoints else newest
+    assert all(e.detector == "stalled" for e in ends), [e.reason for e in ends]
+    last = ends[-1]
+    assert last.final_step == 180 and last.start_step > 180 - 40  # judged only at its end
+    assert "once improved by less than 1% of the way to the floor for" in last.reason, last.reason
+    [anomaly] = [a for a in sink.of_type("anomaly") if a["detector"] == "verdict"]
+    assert anomaly["kind"] == "stalled" and anomaly["value"] > anomaly["threshold"]  # short of 75% of the way
+    assert last.onset_step == 0  # the lineage stood still before this attempt: back to where it began
 
 
 def test_a_fall_from_a_blown_up_initial_loss_that_never_beats_the_mean_is_not_success(tmp_path: Path) -> None:
