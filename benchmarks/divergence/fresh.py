@@ -6,11 +6,11 @@ worker), under ``none`` and ``ballast``, beside its reference (the same model an
 ``python -m benchmarks.divergence.fresh [NAME ...]`` prints one JSON line per scenario: outcome, final ÷ reference
 (mean of the last 20 steps of the lineage's curve), steps executed ÷ max_steps and every attempt's changes.
 A scenario that has been looked at is no longer fresh: BENCHMARKS.md says which were used to change what. With no
-NAME the first set runs; ``--set 2026-12-05`` runs the second (``SCENARIOS_2026_12_05``: six unstable recipes, three
-healthy controls), ``--set 2026-12-06``, ``--set 2026-12-06b`` and ``--set 2026-12-06c`` the third to fifth
-(``SCENARIOS_2026_12_06``, ``..._06B``, ``..._06C``, the same shape), ``--set 2026-12-06d`` to ``--set 2026-12-06g``
-the sixth to ninth (eight unstable, three controls each), ``--set 2026-12-07`` the tenth (seven unstable, three
-controls); their names are also accepted one by one.
+NAME the first set runs (also ``--set first``); ``--set 2026-12-05`` runs the second (``SCENARIOS_2026_12_05``: six
+unstable recipes, three healthy controls), ``--set 2026-12-06``, ``--set 2026-12-06b`` and ``--set 2026-12-06c`` the
+third to fifth (``SCENARIOS_2026_12_06``, ``..._06B``, ``..._06C``, the same shape), ``--set 2026-12-06d`` to
+``--set 2026-12-06g`` the sixth to ninth (eight unstable, three controls each), ``--set 2026-12-07`` the tenth
+(seven unstable, three controls); their names are also accepted one by one.
 """
 
 from __future__ import annotations
@@ -393,22 +393,28 @@ def run(doc: dict[str, Any], recovery: dict[str, Any]) -> dict[str, Any]:
     }
 
 
+SETS: dict[str, dict[str, tuple[dict[str, Any], float]]] = {
+    "first": SCENARIOS, "2026-12-05": SCENARIOS_2026_12_05, "2026-12-06": SCENARIOS_2026_12_06,
+    "2026-12-06b": SCENARIOS_2026_12_06B, "2026-12-06c": SCENARIOS_2026_12_06C, "2026-12-06d": SCENARIOS_2026_12_06D,
+    "2026-12-06e": SCENARIOS_2026_12_06E, "2026-12-06f": SCENARIOS_2026_12_06F, "2026-12-06g": SCENARIOS_2026_12_06G,
+    "2026-12-07": SCENARIOS_2026_12_07,
+}
+"""Every set by name (``--set NAME``); the first (``SCENARIOS``) also runs when no name is given."""
+
+
+def reference_doc(doc: dict[str, Any], ref_lr: float) -> dict[str, Any]:
+    """A scenario's reference: the same recipe at its safe LR, or without its faults."""
+    return deep_merge(doc, {"faults": []} if ref_lr == FAULTS_OFF else {"optimizer": {"lr": ref_lr}})
+
+
 def main(names: list[str]) -> None:
     torch.set_num_threads(1)
-    sets = {"2026-12-05": SCENARIOS_2026_12_05, "2026-12-06": SCENARIOS_2026_12_06,
-            "2026-12-06b": SCENARIOS_2026_12_06B, "2026-12-06c": SCENARIOS_2026_12_06C,
-            "2026-12-06d": SCENARIOS_2026_12_06D, "2026-12-06e": SCENARIOS_2026_12_06E,
-            "2026-12-06f": SCENARIOS_2026_12_06F, "2026-12-06g": SCENARIOS_2026_12_06G,
-            "2026-12-07": SCENARIOS_2026_12_07}
-    every = {**SCENARIOS, **SCENARIOS_2026_12_05, **SCENARIOS_2026_12_06, **SCENARIOS_2026_12_06B,
-             **SCENARIOS_2026_12_06C, **SCENARIOS_2026_12_06D, **SCENARIOS_2026_12_06E, **SCENARIOS_2026_12_06F,
-             **SCENARIOS_2026_12_06G, **SCENARIOS_2026_12_07}
+    every = {name: entry for scenarios in SETS.values() for name, entry in scenarios.items()}
     if names[:1] == ["--set"]:
-        names = list(sets[names[1]]) + names[2:]
+        names = list(SETS[names[1]]) + names[2:]
     for name in names or list(SCENARIOS):
         doc, ref_lr = every[name]
-        safe = {"faults": []} if ref_lr == FAULTS_OFF else {"optimizer": {"lr": ref_lr}}
-        ref = run(deep_merge(doc, safe), POLICIES["none"])
+        ref = run(reference_doc(doc, ref_lr), POLICIES["none"])
         line: dict[str, Any] = {"scenario": name, "reference": {k: ref[k] for k in ("outcome", "final")}}
         for policy, recovery in POLICIES.items():
             res = run(doc, recovery)
