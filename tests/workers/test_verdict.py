@@ -249,7 +249,7 @@ def _lineage(plateau: range, step_loss: float) -> list[float]:
 def test_the_stall_clock_survives_a_resume_and_times_the_longest_stretch() -> None:
     """The baseline's restarts (resume from the newest checkpoint, same settings) of a lineage that stood still
     from step 20 to 120 and then crept 1.5% of the way to the floor every 10 steps: each resume restores the clock
-    from its checkpoint, so it remembers the 100 steps; a clock started afresh at the resume would not."""
+    from its checkpoint, so it remembers that stretch; a clock started afresh at the resume would not."""
     initial, floor = 4.2, 1.39
     losses = _lineage(range(20, 120), 0.015 * (initial - floor) / 10)
 
