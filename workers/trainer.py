@@ -516,7 +516,7 @@ class GuardedTrainer:
                    floor=self._loss_floor, min_gain=cfg.stall_min_gain, max_progress=cfg.stall_max_progress)
         if clock.mark is None or step - max(clock.mark[0], self.start_step) < self._stall_steps:
             return Verdict(None, "improving")
-        return judge_stall(self.recipe.success, self._evidence(), step=step, patience=self._stall_steps)
+        return judge_stall(cfg, self._evidence(), step=step, patience=self._stall_steps)
 
     def _collapse_verdict(self, step: int) -> Verdict:
         """The gradient-collapse rule after ``step`` completed steps; nothing is gathered outside its window."""
