@@ -10,7 +10,8 @@ NAME the first set runs (also ``--set first``); ``--set 2026-12-05`` runs the se
 unstable recipes, three healthy controls), ``--set 2026-12-06``, ``--set 2026-12-06b`` and ``--set 2026-12-06c`` the
 third to fifth (``SCENARIOS_2026_12_06``, ``..._06B``, ``..._06C``, the same shape), ``--set 2026-12-06d`` to
 ``--set 2026-12-06g`` the sixth to ninth (eight unstable, three controls each), ``--set 2026-12-07`` the tenth
-(seven unstable, three controls); their names are also accepted one by one.
+(seven unstable, three controls), ``--set 2026-12-07b`` the eleventh (eight warmups to too-high peaks, two
+controls); their names are also accepted one by one.
 """
 
 from __future__ import annotations
@@ -354,6 +355,29 @@ SCENARIOS_2026_12_07: dict[str, tuple[dict[str, Any], float]] = {
                                      {"name": "sequence", "task": "running_sum", "seq_len": 24, "dim": 4},
                                      {"name": "sgd", "lr": 1.0, "momentum": 0.0}, clipping=NO_CLIP), 1.0),
 }
+SCENARIOS_2026_12_07B: dict[str, tuple[dict[str, Any], float]] = {
+    # written on 2026-12-07 (a second set that day), after the lineage's stall clock, and before running any of
+    # them: warmups to a peak LR too high to train at but not so high that the loss spikes (the family of the
+    # benchmark's warmup plateaus: the loss falls during the warmup, then sits or creeps), on transformers of other
+    # widths, depths, heads, contexts, optimizers and run lengths; a development set for that family
+    "gpt-d48-warmup25-peak0.1": (_recipe(_gpt(48), MARKOV, {"name": "adamw", "lr": 0.1}, warmup=25), 0.003),
+    "gpt-3layer-warmup40-peak0.06": (_recipe(_gpt(64, n_layers=3), MARKOV, {"name": "adamw", "lr": 0.06},
+                                             warmup=40), 0.003),
+    "gpt-d128-adam-warmup30-peak0.05": (_recipe(_gpt(128), MARKOV, {"name": "adam", "lr": 0.05}, warmup=30),
+                                        0.003),
+    "gpt-4head-wd-warmup50-peak0.12": (_recipe(_gpt(64, n_heads=4), MARKOV,
+                                               {"name": "adamw", "lr": 0.12, "weight_decay": 0.1}, warmup=50), 0.003),
+    "gpt-d32-warmup20-peak0.3": (_recipe(_gpt(32), MARKOV, {"name": "adamw", "lr": 0.3}, warmup=20), 0.003),
+    "gpt-context32-warmup30-peak0.04": ({**_recipe({**_gpt(96), "context": 32}, {**MARKOV, "seq_len": 32},
+                                                   {"name": "adamw", "lr": 0.04}, warmup=30)}, 0.003),
+    "gpt-qk-layernorm-warmup30-peak0.15": (_recipe(_gpt(64, qk_layernorm=True), MARKOV,
+                                                   {"name": "adamw", "lr": 0.15}, warmup=30), 0.003),
+    "gpt-d80-warmup60-peak0.07-200": ({**_recipe(_gpt(80), MARKOV, {"name": "adamw", "lr": 0.07}, warmup=60),
+                                       "training": {"max_steps": 200, "batch_size": 16, "seed": 23}}, 0.003),
+    # healthy controls: the reference is the run itself; ballast should leave them alone (1 attempt)
+    "control-gpt-d128-adam-warmup30": (_recipe(_gpt(128), MARKOV, {"name": "adam", "lr": 0.003}, warmup=30), 0.003),
+    "control-gpt-d48-warmup25": (_recipe(_gpt(48), MARKOV, {"name": "adamw", "lr": 0.003}, warmup=25), 0.003),
+}
 POLICIES = {"none": {"max_retries": 0}, "ballast": {}}
 
 
@@ -397,7 +421,7 @@ SETS: dict[str, dict[str, tuple[dict[str, Any], float]]] = {
     "first": SCENARIOS, "2026-12-05": SCENARIOS_2026_12_05, "2026-12-06": SCENARIOS_2026_12_06,
     "2026-12-06b": SCENARIOS_2026_12_06B, "2026-12-06c": SCENARIOS_2026_12_06C, "2026-12-06d": SCENARIOS_2026_12_06D,
     "2026-12-06e": SCENARIOS_2026_12_06E, "2026-12-06f": SCENARIOS_2026_12_06F, "2026-12-06g": SCENARIOS_2026_12_06G,
-    "2026-12-07": SCENARIOS_2026_12_07,
+    "2026-12-07": SCENARIOS_2026_12_07, "2026-12-07b": SCENARIOS_2026_12_07B,
 }
 """Every set by name (``--set NAME``); the first (``SCENARIOS``) also runs when no name is given."""
 
