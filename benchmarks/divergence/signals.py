@@ -36,14 +36,16 @@ import torch
 from api.cli.local_run import LocalRun
 from api.cli.train_cmd import run_in_process
 from benchmarks.divergence.fresh import POLICIES, SETS, reference_doc
-from contracts.recipe import Recipe
+from contracts.recipe import LossSpikeDetector, Recipe
 from contracts.wire import AttemptSpec, ProbePlan
 from workers.data import build_data
+from workers.detectors.base import Ema
 from workers.entry import plain_context, run_attempt
 from workers.lr_probe import run_probe
 from workers.sinks import ListSink
+from workers.verdict import final_loss, progress
 
-ALPHA = 0.05
+ALPHA = LossSpikeDetector().ema_alpha
 """The loss detector's EMA coefficient (its default)."""
 
 
@@ -66,8 +68,8 @@ def curves(doc: dict[str, Any]) -> dict[str, Any]:
 
 
 def _final(losses: list[float | None]) -> float | None:
-    finite = [x for x in losses if x is not None and math.isfinite(x)]
-    return statistics.mean(finite[-20:]) if len(finite) >= 20 else None
+    """The verdict's final loss: the mean of the last 20 finite losses (a non-finite step's loss is None here)."""
+    return final_loss([math.nan if x is None else x for x in losses], 20)
 
 
 def stats(c: dict[str, Any]) -> dict[str, float | None]:
@@ -78,25 +80,24 @@ def stats(c: dict[str, Any]) -> dict[str, float | None]:
         return {}
     first = losses[0]
     way = first - floor
-    mean, n, best, giveback = 0.0, 0, math.inf, 0.0
+    ema, best, giveback = Ema(ALPHA), math.inf, 0.0
     mark, flat = (0, math.inf), 0
     for step, x in enumerate(losses):
-        n += 1
-        mean += max(ALPHA, 1.0 / n) * (x - mean)
-        if n >= 5 and mean < best:
-            best = mean
+        ema.update(x)
+        if ema.n >= 5 and ema.mean < best:
+            best = ema.mean
         if best < math.inf and first - best > 0.1 * first:
-            giveback = max(giveback, (mean - best) / (first - best))
+            giveback = max(giveback, (ema.mean - best) / (first - best))
         if best < mark[1] - 0.01 * way:
             mark = (step, best)
-        if (first - best) / way < 0.75:
+        if (progress(best, first, floor) or 0.0) < 0.75:
             flat = max(flat, step - mark[0])
     norms = [g for g in c["gn"] if g is not None and math.isfinite(g)]
     base = statistics.median(norms[:5]) if norms else 0.0
     gn = min((statistics.median(norms[i:i + 20]) / base for i in range(0, max(1, len(norms) - 19))), default=None)
     noise = max((math.sqrt(statistics.mean((losses[i + 1] - losses[i]) ** 2 / 2 for i in range(a, a + 24)))
                  for a in range(0, len(losses) - 25, 25)), default=None)
-    return {"end": (first - final) / way, "giveback": giveback, "flat": float(flat),
+    return {"end": progress(final, first, floor), "giveback": giveback, "flat": float(flat),
             "gn": gn if base > 0 else None, "ur": max(c["ur"], default=None), "noise": noise}
 
 
