@@ -12,6 +12,10 @@ the build-time probe and evaluation all call. The call convention:
 
 The forward runs under the recipe's autocast; the loss is computed outside it, in float32. Outputs may be a tensor,
 a Hugging Face ``ModelOutput`` (``.logits``/``.loss``), a dict, or a tuple whose first element is the logits.
+
+``trivial_loss(spec, targets)`` is what learning nothing scores under a loss: the best prediction that ignores the
+inputs. The verdict holds a final loss to it (``workers/verdict.py``); built-in data knows its own, and for a
+user's dataset the trainer measures it on the training targets with this function.
 """
 
 from __future__ import annotations
@@ -86,6 +90,40 @@ def cross_entropy(logits: Tensor, targets: Tensor, spec: CrossEntropyLoss) -> Te
                            ignore_index=spec.ignore_index)
 
 
+def trivial_loss(spec: LossSpec, targets: Tensor, *, classes: int | None = None) -> float | None:
+    """The loss of the best prediction that ignores the inputs, on ``targets`` (the first axis is the samples):
+    their per-position mean for ``mse`` (the loss is then their variance), their frequencies for
+    ``cross_entropy`` (the loss is the entropy of the label-smoothed frequencies; ``classes``, the logits' size, is
+    needed only with smoothing). None where it is not known: a custom loss, the model's own, or targets this loss
+    would reject."""
+    if isinstance(spec, MSELoss):
+        if targets.ndim == 0 or targets.shape[0] < 2:
+            return None
+        t = targets.double()
+        return float((t - t.mean(dim=0)).pow(2).mean())
+    if not isinstance(spec, CrossEntropyLoss):
+        return None
+    eps = spec.label_smoothing
+    if targets.is_floating_point():  # class probabilities [..., C]: the best constant guess is their mean
+        if targets.ndim < 2 or targets.shape[-1] < 2:
+            return None
+        mean = targets.double().reshape(-1, targets.shape[-1]).mean(dim=0)
+        k = mean.numel()
+    else:
+        flat = targets.reshape(-1).long()
+        flat = flat[flat != spec.ignore_index]
+        if flat.numel() == 0 or int(flat.min()) < 0:
+            return None
+        counts = torch.bincount(flat).double()
+        k = classes if classes is not None else counts.numel()
+        if counts.numel() > k or (eps > 0.0 and classes is None):
+            return None
+        mean = F.pad(counts / counts.sum(), (0, k - counts.numel()))
+    q = (1.0 - eps) * mean + eps / k
+    q = q[q > 0]
+    return float(-(q * q.log()).sum())
+
+
 def mse(outputs: Tensor, targets: Tensor) -> Tensor:
     if outputs.shape != targets.shape:
         raise SpecError(f"loss.name: mse needs outputs and targets of one shape, got {_shape(outputs)} and "
@@ -114,12 +152,23 @@ class Objective:
         self.dtype = dtype
         self.device = device
         self._custom: Callable[..., Any] | None = None
+        self.classes: int | None = None
+        """The logits' size, once a cross-entropy loss has been computed (``trivial_loss`` needs it with smoothing)."""
         if isinstance(self.spec, CustomLoss):
             self._custom = resolve_import(self.spec.function, allowed_import_modules, field="loss.function")
 
     @property
     def uses_model_loss(self) -> bool:
         return isinstance(self.spec, ModelLoss)
+
+    def trivial_loss(self, targets: Tensor) -> float | None:
+        """``trivial_loss`` under this objective: the recipe's loss, or a built-in model's own (``loss_spec``)."""
+        from workers.models.builtin import BallastModel  # here: workers.models imports this module
+
+        spec: LossSpec | None = self.spec
+        if isinstance(spec, ModelLoss):
+            spec = self.model.loss_spec() if isinstance(self.model, BallastModel) else None
+        return None if spec is None else trivial_loss(spec, targets, classes=self.classes)
 
     def call_convention(self, batch: Batch) -> str:
         """How ``batch`` is passed to the model, for error messages."""
@@ -167,7 +216,9 @@ class Objective:
                 raise SpecError(f"loss.function: must return a scalar floating-point tensor, got {desc}")
             return value.float()
         if isinstance(spec, CrossEntropyLoss):
-            return cross_entropy(logits_of(outputs, spec.name), targets, spec)
+            logits = logits_of(outputs, spec.name)
+            self.classes = int(logits.shape[-1]) if logits.ndim else None
+            return cross_entropy(logits, targets, spec)
         if isinstance(spec, MSELoss):
             return mse(logits_of(outputs, spec.name), targets)
         raise SpecError(f"loss.name: unknown loss spec {type(spec).__name__}")

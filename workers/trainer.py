@@ -193,6 +193,8 @@ class GuardedTrainer:
         self._collapse_window = collapse_window(r.detectors.loss_spike.ema_alpha)
         self._loss_floor = r.success.loss_floor if r.success.loss_floor is not None else self.data.loss_floor
         """The floor the verdict measures progress toward: the recipe's, else the data's own (None: unknown)."""
+        self._measured_trivial: tuple[float | None] | None = None
+        """The trivial loss measured on a user dataset's training targets, once (``_trivial_loss``)."""
         collapse_on = r.success.collapse_ratio is not None and self._loss_floor is not None and self.start_step == 0
         self._collapse_last_step = r.training.max_steps // 2 if collapse_on else -1
         """The last step the gradient-collapse rule can fire at (-1: never): a fresh start's first half, with a floor.
@@ -491,13 +493,24 @@ class GuardedTrainer:
             final_loss=final_loss(self.result.losses, self.recipe.success.window, start_step=self.start_step,
                                   skipped=self.result.skipped_steps),
             best_loss=summary.best, best_step=summary.best_step, initial_loss=summary.initial,
-            loss_floor=self._loss_floor, trivial_loss=self.data.trivial_loss, noise_std=summary.noise_std,
+            loss_floor=self._loss_floor, trivial_loss=self._trivial_loss(), noise_std=summary.noise_std,
             vanishing=any(f["kind"] == "vanishing_gradients" for f in self.result.findings),
             start_step=self.start_step,
             progress_step=None if self.stall_clock.mark is None else self.stall_clock.mark[0],
             stalled_for=self.stall_clock.longest, stalled_from=self.stall_clock.longest_from,
             eval=None if self.evals is None else self.evals.evidence(),
         )
+
+    def _trivial_loss(self) -> float | None:
+        """What learning nothing scores: the data's own figure, else the best input-free guess's loss on the
+        training targets under the run's loss (a user's dataset; measured once, at the first verdict that reads
+        it, the same on every rank), else None."""
+        if self.data.trivial_loss is not None:
+            return self.data.trivial_loss
+        if self._measured_trivial is None:
+            targets = self.data.training_targets()
+            self._measured_trivial = (None if targets is None else self.objective.trivial_loss(targets),)
+        return self._measured_trivial[0]
 
     def _early_verdict(self, step: int) -> Verdict:
         smoothed = self.detectors.loss_summary().smoothed

@@ -48,7 +48,9 @@ time (the recipe's ``success`` section holds the tolerances):
 - **above the bar**: the final loss is above the user's ``max_final_loss``.
 
 Real progress is also judged against what learning nothing scores: a final loss no lower than the data's
-``trivial_loss`` (the best prediction that ignores the inputs: the targets' mean, or their frequencies) is
+``trivial_loss`` (the best prediction that ignores the inputs: the targets' mean, or their frequencies; built-in
+data knows it, and on a user's dataset the trainer measures it on the training targets, where a floor is unknown
+and progress toward 0 would let a model that learned only the mean or the frequencies pass) is
 **never_learned** however far it fell from the initial loss, since an initialisation that blows the loss up (a
 deep net at a large init scale starts near 1e6 on unit-variance targets) makes any fall look like progress. Only
 at the end (early on, a healthy run may still be above it), and off with the other progress rules
@@ -377,7 +379,7 @@ def judge_end(cfg: Success, ev: Evidence, *, step: int | None = None, stall_pati
         if ev.vanishing:
             return _vanishing_verdict(what, value=final, threshold=ev.trivial_loss, onset=ev.start_step)
         return Verdict(NEVER_LEARNED, f"never learned: {what} (its fall from the initial {_fmt(ev.initial_loss)} "
-                       "only undid a bad start)", value=final, threshold=ev.trivial_loss, onset_step=ev.start_step)
+                       "learned nothing from them)", value=final, threshold=ev.trivial_loss, onset_step=ev.start_step)
     if step is not None and stall_patience is not None:
         stalled = judge_stall(cfg, ev, step=step, patience=stall_patience, at_end=True)
         if not stalled.healthy:

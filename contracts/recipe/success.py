@@ -15,7 +15,9 @@ class Success(Section):
     reached (a run that learned, then drifted back up, is degraded and is rolled back to its best checkpoint)."""
     min_progress: StrictFloat = Field(default=0.25, ge=0.0, le=1.0)
     """Real progress: the final loss must have covered this fraction of the way from the clean initial loss down
-    to the data's known loss floor (down to 0 when the floor is unknown). 0 turns the rule off."""
+    to the data's known loss floor (down to 0 when the floor is unknown), and at the end be below what the best
+    prediction that ignores the inputs scores (the data's trivial loss: built-in data knows it; for a user's
+    dataset it is measured on the training targets). 0 turns both rules off."""
     early_check_fraction: StrictFloat = Field(default=0.25, gt=0.0, le=1.0)
     """At this fraction of training.max_steps (and not before 3x the warmup), a run that has covered less than
     early_min_progress of that way has never learned: it is stopped then instead of at the end."""

@@ -135,3 +135,18 @@ def l1_loss(outputs: Tensor, targets: Tensor) -> Tensor:
 def per_sample_loss(outputs: Tensor, targets: Tensor) -> Tensor:
     """Breaks the loss contract: not a scalar."""
     return (outputs - targets).abs()
+
+
+def make_linear_targets(n: int = 2048, dim: int = 16) -> torch.utils.data.TensorDataset:
+    """Regression targets ``x @ w`` of about unit variance (``w ~ N(0, 1/dim)``): predicting their mean scores ~1."""
+    g = torch.Generator().manual_seed(13)
+    x = torch.randn(n, dim, generator=g)
+    return torch.utils.data.TensorDataset(x, x @ (torch.randn(dim, 1, generator=g) / dim**0.5))
+
+
+def make_unrelated_labels(n: int = 4096, dim: int = 8, major: float = 0.9) -> torch.utils.data.TensorDataset:
+    """Two classes drawn independently of the features, ``major`` of them class 0: there is nothing to learn from
+    the inputs, and the best any model can do is the labels' frequencies."""
+    g = torch.Generator().manual_seed(17)
+    return torch.utils.data.TensorDataset(torch.randn(n, dim, generator=g),
+                                          (torch.rand(n, generator=g) > major).long())

@@ -9,8 +9,18 @@ from typing import Any
 import pytest
 import torch
 
-from contracts.recipe import CustomData, MarkovData, RegressionData, SequenceData
+from contracts.recipe import (
+    CustomData,
+    DeepMLPModel,
+    MarkovData,
+    RecurrentModel,
+    RegressionData,
+    SequenceData,
+    TinyGPTModel,
+)
 from workers.data import MarkovSource, SpecError, build_data
+from workers.models import build_model
+from workers.objective import Objective
 
 FIXTURES = "ballast_custom_fixtures"
 
@@ -322,3 +332,9 @@ def test_trivial_loss_is_what_ignoring_the_inputs_scores(name: str, spec: Any, e
     if expected is not None:
         assert data.trivial_loss == pytest.approx(expected)
     assert data.trivial_loss > data.loss_floor
+    # measured as the trainer measures a user dataset's: the built-in model's own loss (``loss_spec``) on targets
+    model = build_model(TinyGPTModel(vocab_size=data.vocab_size, context=data.seq_len, d_model=16, n_layers=1)
+                        if data.kind == "tokens" else RecurrentModel(hidden=8) if data.kind == "sequence"
+                        else DeepMLPModel(depth=2, width=8), data, seed=0)
+    targets = torch.cat([data.batch(i)[1] for i in range(60)])
+    assert Objective(model).trivial_loss(targets) == pytest.approx(data.trivial_loss, abs=5 * se + 1e-3), name

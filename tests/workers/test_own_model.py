@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import copy
 import json
+import math
 import os
 import sys
 from pathlib import Path
@@ -32,6 +33,7 @@ from contracts.recipe import (
     MSELoss,
     Optimizer,
     Recipe,
+    TinyGPTModel,
     TokensFileData,
     load_recipe,
     validate_recipe_data,
@@ -40,13 +42,15 @@ from contracts.wire import AttemptOutcome, AttemptSpec
 from examples.classifier.model import make_classifier
 from examples.hf_gpt2.data import write_tokens
 from tests.recipes import recipe_doc
+from tests.workers import ballast_custom_fixtures as fixtures
 from workers.checkpoint import load_checkpoint
 from workers.context import WorkerContext
 from workers.data import DatasetSource, SeededSampler, SpecError, build_data
+from workers.data import dataset as dataset_module
 from workers.entry import run_attempt
 from workers.faults import FaultInjector
 from workers.models import build_model, find_blocks, model_blocks, param_block_index, set_activation_checkpointing
-from workers.objective import Objective
+from workers.objective import Objective, trivial_loss
 from workers.optim import apply_hyperparameters, build_optimizer, load_optimizer_state
 from workers.trainer import GuardedTrainer
 
@@ -353,6 +357,80 @@ def test_the_call_convention_and_the_losses() -> None:
     assert bf16.dtype == torch.float32 and bf16.ndim == 0
 
 
+def _constant_loss(spec: Any, guess: Tensor, targets: Tensor) -> float:
+    """The real loss (``Objective.loss_from``) of predicting ``guess`` for every sample, whatever its inputs."""
+    outputs = guess.expand(targets.shape[0], *guess.shape).clone()
+    return float(Objective(nn.Identity(), spec).loss_from(outputs, (torch.empty(0), targets)))
+
+
+@pytest.mark.parametrize(
+    ("spec", "targets", "classes"),
+    [
+        (MSELoss(), torch.randn(500, 1, generator=torch.Generator().manual_seed(1)) * 2 + 3, None),
+        (MSELoss(), torch.randn(400, 5, 3, generator=torch.Generator().manual_seed(2)) + torch.arange(3.0), None),
+        (CrossEntropyLoss(), torch.multinomial(torch.tensor([0.6, 0.3, 0.1]), 600, replacement=True,
+                                               generator=torch.Generator().manual_seed(3)), 3),
+        (CrossEntropyLoss(label_smoothing=0.2), torch.multinomial(torch.tensor([0.7, 0.2, 0.1]), 600,
+                                                                  replacement=True,
+                                                                  generator=torch.Generator().manual_seed(4)), 5),
+        (CrossEntropyLoss(ignore_index=-1), torch.tensor([0, 0, 1, -1, -1, -1, 0, 2, -1]), 3),
+        (CrossEntropyLoss(label_smoothing=0.1), torch.softmax(torch.randn(300, 4, generator=torch.Generator()
+                                                                          .manual_seed(5)), -1), 4),
+    ],
+    ids=["mse", "mse per position", "ce", "ce smoothed, unseen classes", "ce ignore_index", "ce soft targets"],
+)
+def test_trivial_loss_is_the_real_loss_of_the_best_constant_guess(spec: Any, targets: Tensor,
+                                                                  classes: int | None) -> None:
+    """``trivial_loss`` equals the loss the objective itself computes for the best input-free guess (the targets'
+    per-position mean; the log of the label-smoothed frequencies), and no nearby constant guess does better."""
+    value = trivial_loss(spec, targets, classes=classes)
+    assert value is not None
+    if isinstance(spec, MSELoss):
+        best = targets.double().mean(0).float()
+    else:
+        dist = (targets.double().mean(0) if targets.is_floating_point() else
+                torch.bincount(targets[targets != spec.ignore_index], minlength=classes).double())
+        q = (1 - spec.label_smoothing) * dist / dist.sum() + spec.label_smoothing / classes
+        best = q.log().float()
+    assert _constant_loss(spec, best, targets) == pytest.approx(value, rel=1e-5)
+    g = torch.Generator().manual_seed(9)
+    for _ in range(5):
+        assert _constant_loss(spec, best + 0.05 * torch.randn(best.shape, generator=g), targets) > value
+
+
+def test_trivial_loss_is_unknown_where_it_cannot_be_worked_out() -> None:
+    labels = torch.tensor([0, 1, 1, 2])
+    l1 = CustomLoss.model_validate({"function": f"{FIX}:l1_loss"}, context={"allowed_import_modules": ALLOWED})
+    assert trivial_loss(l1, torch.randn(8, 1)) is None  # a user's loss
+    assert trivial_loss(ModelLoss(), labels) is None  # a model's own loss (a built-in names its: loss_spec)
+    assert trivial_loss(CrossEntropyLoss(label_smoothing=0.1), labels) is None  # smoothing needs the logits' size
+    assert trivial_loss(CrossEntropyLoss(), labels, classes=2) is None  # a label beyond the logits
+    assert trivial_loss(MSELoss(), torch.randn(1, 3)) is None  # one sample
+    hf = build_model(HFCausalLMModel(config=GPT2), seed=0)
+    assert Objective(hf, ModelLoss()).trivial_loss(labels) is None
+    assert Objective(build_model(TinyGPTModel(z_loss=1e-4), seed=0)).trivial_loss(labels) is None  # CE + z-loss
+
+
+def test_your_datasets_training_targets_are_read_once_the_same_on_every_rank(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A TensorDataset's training targets are the training split's (the held-out items left out), the same on
+    every rank; another dataset's are read item by item up to ``TARGETS_READ_LIMIT`` items, and beyond it unknown."""
+    spec = DatasetData.model_validate({"factory": f"{FIX}:make_regression_dataset", "eval_fraction": 0.25},
+                                      context={"allowed_import_modules": ALLOWED})
+    ranks = [build_data(spec, seed=0, batch_size=4, rank=r, world_size=2, allowed_import_modules=ALLOWED)
+             for r in (0, 1)]
+    ys = [r.training_targets() for r in ranks]
+    assert ys[0] is not None and ys[1] is not None and torch.equal(ys[0], ys[1])
+    source = ranks[0]
+    assert isinstance(source, DatasetSource) and source.eval_set is not None
+    held_out = {float(source.eval_set[i][1]) for i in range(len(source.eval_set))}  # type: ignore[arg-type]
+    assert len(ys[0]) == 96 and not held_out & {float(v) for v in ys[0]}
+    dicts = _dataset(f"{FIX}:make_dict_dataset", eval_fraction=0.0)
+    assert torch.equal(dicts.training_targets(), fixtures.make_dict_dataset().y)  # type: ignore[arg-type]
+    monkeypatch.setattr(dataset_module, "TARGETS_READ_LIMIT", 63)
+    assert dicts.training_targets() is None  # 64 items, read one by one: beyond the limit
+    assert source.training_targets() is not None  # a TensorDataset's are read at once, whatever its size
+
+
 def _custom(factory: str) -> CustomModel:
     return CustomModel.model_validate({"factory": factory}, context={"allowed_import_modules": ALLOWED})
 
@@ -543,3 +621,46 @@ def test_your_data_has_no_loss_floor_unless_the_recipe_gives_one(tmp_path: Path)
     assert unknown.detector == "never_learned" and "to its floor" in unknown.reason, unknown.reason
     given = run(make_recipe(**{**never, "success": {**never["success"], "loss_floor": 0.3}}), tmp_path / "given")
     assert given.detector == "never_learned" and "to the floor 0.3 " in given.reason, given.reason
+
+
+def test_on_your_data_a_model_no_better_than_ignoring_its_inputs_has_never_learned(tmp_path: Path) -> None:
+    """With no floor known, progress is measured toward 0, so a fall that only learns what ignoring the inputs
+    scores looked like learning. The trivial loss is now measured on the training targets: labels drawn
+    independently of the features (90% one class) leave a healthy classifier nothing but their frequencies, whose
+    label-smoothed entropy (~0.40 nats) is two thirds of the initial ~0.6: by progress it learned, by the trivial
+    loss it did not. The same classifier and loss on the example's labels, which depend on the features, ends
+    healthy."""
+    bars = {"min_progress": 0.25, "early_min_progress": 0.05}
+    unrelated = make_recipe(
+        model={"params": {"in_features": 8, "hidden": 16, "classes": 2, "depth": 2}},
+        data={"factory": f"{FIX}:make_unrelated_labels", "params": {}, "eval_fraction": 0.0},
+        loss={"name": "cross_entropy"}, training={"max_steps": 80, "batch_size": 32, "seed": 0}, success=bars,
+    )
+    res = run(unrelated, tmp_path / "unrelated")
+    smoothing = unrelated.loss.label_smoothing  # the classifier example's 0.1: the targets are smoothed frequencies
+    q = (1 - smoothing) * float(fixtures.make_unrelated_labels().tensors[1].double().mean()) + smoothing / 2
+    entropy = -(q * math.log(q) + (1 - q) * math.log(1 - q))
+    assert res.detector == "never_learned", res.reason
+    assert f"no better than {entropy:.4g}," in res.reason and "ignores the inputs" in res.reason, res.reason
+    healthy = run(make_recipe(success=bars), tmp_path / "learnable")
+    assert healthy.outcome == "succeeded", healthy.reason
+
+
+def test_a_blown_up_start_on_your_data_that_never_beats_the_mean_has_never_learned(tmp_path: Path) -> None:
+    """``test_engine``'s blown-up GELU MLP (its loss falls from ~1e6 to ~3e4, 97% of the way to 0, and stays far
+    above the ~1 of predicting the mean) on a user's TensorDataset instead of the built-in regression data: the
+    built-in model's own loss is MSE (``loss_spec``), the targets' variance is measured, and the verdict is the one
+    the built-in data gets."""
+    base = {**BASE, "model": {"name": "deep_mlp", "depth": 8, "width": 64, "activation": "gelu", "init_scale": 2.0}}
+    base.pop("loss")
+    recipe = make_recipe(
+        base, data={"factory": f"{FIX}:make_linear_targets", "params": {}, "eval_fraction": 0.0},
+        training={"max_steps": 100, "batch_size": 16, "seed": 7},
+        optimizer={"name": "sgd", "lr": 0.0004, "momentum": 0.9, "weight_decay": 0.0},
+        clipping={"method": "global_norm", "max_norm": 1.0}, schedule={"warmup_steps": 30, "decay": "cosine"},
+        success={"min_progress": 0.25, "early_min_progress": 0.05},
+    )
+    res = run(recipe, tmp_path)
+    variance = float(fixtures.make_linear_targets().tensors[1].double().var(correction=0))
+    assert res.detector == "never_learned", res.reason
+    assert f"no better than {variance:.4g}," in res.reason, res.reason

@@ -16,6 +16,7 @@ from collections.abc import Callable, Sequence
 from typing import Any, Literal, Protocol
 
 import torch
+from torch import Tensor
 
 from contracts.recipe import RegressionData
 from workers.data.batch import Batch
@@ -126,6 +127,12 @@ class DataSource(ABC):
     """The training loss of the best prediction that ignores the inputs (the targets' mean for MSE, their
     frequencies for CE), when known: a model that ends no lower has learned nothing from its inputs, however far
     it fell from a blown-up initial loss (``workers/verdict.py``)."""
+
+    def training_targets(self) -> Tensor | None:
+        """All the training targets, the same on every rank, where they can be read whole at little cost: the
+        trainer measures the trivial loss on them when the source does not know it. None here (synthetic data
+        knows its trivial loss; a custom factory's batches are per rank)."""
+        return None
 
     def __init__(self, spec: Any, *, seed: int, batch_size: int, rank: int, world_size: int) -> None:
         if batch_size < 1:

@@ -12,6 +12,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
+from torch import Tensor
 from torch.utils.data import Dataset, Subset, TensorDataset, default_collate
 
 from contracts.recipe import DatasetData
@@ -50,6 +51,18 @@ def _collate(items: list[Any], field: str) -> Batch:
     raise SpecError(f"{field}: dataset items must be (inputs, targets) pairs or dicts of tensors, got {desc}")
 
 
+TARGETS_READ_LIMIT = 4096
+"""The trivial loss of a dataset that is not a TensorDataset is measured only when its training split has at most
+this many items: their targets are read item by item (an item may be an image to decode), once per attempt."""
+
+
+def _target_of(item: Any) -> Any:
+    """An item's targets: the second of an ``(inputs, targets)`` pair, a dict item's ``labels`` (None: neither)."""
+    if isinstance(item, dict):
+        return item.get("labels")
+    return item[1] if isinstance(item, tuple | list) and len(item) == 2 else None
+
+
 def fetch(ds: Dataset[Any], indices: Sequence[int], field: str) -> Batch:
     """The collated batch of ``ds[i] for i in indices`` (a TensorDataset, possibly under Subsets, is sliced at once:
     the same tensors ``default_collate`` would stack)."""
@@ -75,7 +88,8 @@ class DatasetSource(DataSource):
 
     Dimensions come from training batch 0: tuple batches like ``custom`` data (integer inputs → tokens, 2-D float
     → features, 3-D float → sequence), so built-in models can train on a Dataset too; dict batches with
-    ``input_ids`` are tokens. No loss floor is known.
+    ``input_ids`` are tokens. No loss floor is known; the trivial loss is measured on the training targets
+    (``training_targets``) by the trainer, under the run's loss.
     """
 
     field = "data.factory"
@@ -134,6 +148,27 @@ class DatasetSource(DataSource):
             self.input_dim = int(inputs.shape[-1])
             self.output_dim = int(targets.shape[-1]) if targets.ndim == inputs.ndim else 1
             self.seq_len = int(inputs.shape[1]) if inputs.ndim == 3 else None
+
+    def training_targets(self) -> Tensor | None:
+        """The training split's targets (``labels`` of dict items): a TensorDataset's at once, any other dataset's
+        read item by item up to ``TARGETS_READ_LIMIT`` items (None beyond it, or when an item has no targets)."""
+        n = len(self.train_set)  # type: ignore[arg-type]
+        base, rows = self.train_set, torch.arange(n)
+        while isinstance(base, Subset):  # the split's rows of the dataset underneath, without a Python loop
+            rows = torch.as_tensor(base.indices, dtype=torch.long)[rows]
+            base = base.dataset
+        if isinstance(base, TensorDataset) and len(base.tensors) == 2:
+            return base.tensors[1][rows]
+        if n > TARGETS_READ_LIMIT:
+            return None
+        try:  # a check on top of the run's own: an item that fails to read leaves it unknown, the attempt goes on
+            targets = [_target_of(self.train_set[i]) for i in range(n)]
+            if any(t is None for t in targets):
+                return None
+            stacked = default_collate(targets)
+        except Exception:  # noqa: BLE001 - see above
+            return None
+        return stacked if isinstance(stacked, Tensor) else None
 
     def batch(self, index: int) -> Batch:
         """Training batch ``index`` of this rank (see ``SeededSampler``)."""

@@ -1,7 +1,8 @@
 """The built-in models: tiny_gpt, deep_mlp, rnn, linear.
 
 Each ``m(batch)`` with ``batch = (inputs, targets)`` returns the **scalar mean loss** (float32, 0-dim) and has
-``m.blocks`` (an ``nn.ModuleList``) in input → output order, registered as ``blocks.{i}.*`` parameters.
+``m.blocks`` (an ``nn.ModuleList``) in input → output order, registered as ``blocks.{i}.*`` parameters;
+``m.loss_spec()`` names that loss as a recipe's ``loss:`` section would.
 """
 
 from __future__ import annotations
@@ -14,8 +15,11 @@ from torch import Tensor, nn
 
 from contracts.recipe import (
     Activation,
+    CrossEntropyLoss,
     DeepMLPModel,
     LinearModel,
+    LossSpec,
+    MSELoss,
     NormPosition,
     RecurrentCell,
     RecurrentModel,
@@ -30,6 +34,11 @@ class BallastModel(nn.Module):
     """Base of the built-in models: ``forward(batch) -> scalar loss`` and ``blocks`` in input → output order."""
 
     blocks: nn.ModuleList
+
+    def loss_spec(self) -> LossSpec | None:
+        """The loss ``forward`` returns, as a ``loss:`` section would name it (None: none of those): mean squared
+        error for the regression models. The verdict's trivial loss on a user's dataset is measured under it."""
+        return MSELoss()
 
     def set_activation_checkpointing(self, enabled: bool) -> None:
         """Recompute each block's activations in the backward pass (memory for compute; same gradients)."""
@@ -107,6 +116,9 @@ class TinyGPT(BallastModel):
                 nn.init.normal_(module.weight, mean=0.0, std=spec.init_std)
             if isinstance(module, nn.Linear) and module.bias is not None:
                 nn.init.zeros_(module.bias)
+
+    def loss_spec(self) -> LossSpec | None:
+        return CrossEntropyLoss() if self.z_loss == 0 else None  # with a z-loss term it is not CE alone
 
     def forward(self, batch: Batch) -> Tensor:
         inputs, targets = batch
