@@ -55,7 +55,9 @@ class LossSpike(Detector):
 
     - **ratio to best** (kind ``divergence``): the smoothed loss (the EMA mean) above ``ratio_threshold`` times
       the best smoothed loss so far (kept once the smoothed loss averages ``INITIAL_LOSS_STEPS`` losses, so that
-      one easy first batch does not set it);
+      one easy first batch does not set it), and by at least ``NOISE_MARGIN`` batch-noise deviations: near a loss
+      of 0 a ratio says nothing (a classifier that fits its training set scores 0 on most batches and 0.1 on a
+      rare one, and each of those lifts a smoothed loss of 1e-3 to several times its best);
     - **z-score** (kind ``loss_spike``): the loss's z-score against its EMA above ``z_threshold``;
     - **initial ratio** (kind ``divergence``): the loss above ``max_initial_ratio`` times the initial loss;
     - **collapse** (kind ``divergence``): the smoothed loss has given back ``collapse_fraction`` of the progress
@@ -166,6 +168,13 @@ class LossSpike(Detector):
             return None
         return initial + max((ratio - 1.0) * initial, self._noise_margin(), NOISE_MARGIN * self._untrained_spread)
 
+    def _ratio_limit(self) -> float | None:
+        """The smoothed loss above which the ratio-to-best rule holds; None while there is no positive best."""
+        best = self.best
+        if best is None or best <= 0.0:
+            return None
+        return max(self.cfg.ratio_threshold * best, best + self._noise_margin())
+
     def _collapse_limit(self, share: float = 1.0) -> float | None:
         """The smoothed loss above which the collapse rule holds (with ``share`` = 0.5: the level up to which the
         smoothed loss still counts as calm, for the onset); None while the rule cannot fire."""
@@ -190,7 +199,8 @@ class LossSpike(Detector):
             std = self._std()
             z = (loss - self.ema.mean) / std
             z_anom = z > cfg.z_threshold
-            ratio_anom = best is not None and best > 0.0 and self.ema.mean > cfg.ratio_threshold * best
+            ratio_limit = self._ratio_limit()
+            ratio_anom = ratio_limit is not None and self.ema.mean > ratio_limit
         init_limit, collapse_limit = self._initial_limit(), self._collapse_limit()
         init_anom = init_limit is not None and loss > init_limit
         collapse_anom = collapse_limit is not None and self.ema.mean > collapse_limit
@@ -210,7 +220,7 @@ class LossSpike(Detector):
                 onset = self.run.onset
                 if self.calm_step is not None and onset is not None:
                     onset = min(onset, self.calm_step + 1)
-                emit(self, "divergence", self.ema.mean, cfg.ratio_threshold * best, cfg.action, onset,
+                emit(self, "divergence", self.ema.mean, self._ratio_limit(), cfg.action, onset,
                      {**details, "rule": "ratio_to_best", "loss": loss, "calm_step": self.calm_step})
             elif z_anom:
                 emit(self, "loss_spike", loss, self.ema.mean + cfg.z_threshold * std, cfg.action,
@@ -273,7 +283,8 @@ class LossSpike(Detector):
             return True
         if loss > self.ema.mean + self.cfg.z_threshold * self._std():
             return False
-        return not (self.best is not None and self.best > 0 and self.ema.mean > self.cfg.ratio_threshold * self.best)
+        ratio_limit = self._ratio_limit()
+        return ratio_limit is None or self.ema.mean <= ratio_limit
 
     def state(self) -> dict[str, Any]:
         return {"ema": self.ema.state(), "run": self.run.state(), "best": self.best, "best_step": self.best_step,
