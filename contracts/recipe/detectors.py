@@ -54,7 +54,9 @@ class LossSpikeDetector(Section):
     z_threshold: StrictFloat = Field(default=6.0, gt=0.0)
     """Fire when (loss - EMA mean) / EMA std exceeds this."""
     ratio_threshold: StrictFloat = Field(default=2.0, gt=1.0)
-    """Fire when the smoothed loss exceeds this multiple of the best smoothed loss so far."""
+    """Fire when the smoothed loss exceeds this multiple of the best smoothed loss so far, and the best by 4
+    batch-noise deviations (near a loss of 0 a multiple alone is batch noise: a fitted training set's rare misfit
+    batch)."""
     max_initial_ratio: StrictFloat | None = Field(default=1.5, gt=1.0)
     """Fire (kind divergence) when the loss exceeds this multiple of the initial loss: the mean of the losses among
     the first 5 finite ones that were not skipped and not already this far above the mean so far. A healthy run
