@@ -6,7 +6,8 @@ time (the recipe's ``success`` section holds the tolerances):
 - **vanishing**: the gradients vanished (the vanishing detector fired) and the model made no real progress. No
   tightening of the LR or the clip threshold can help, so the recovery policy gives up with this diagnosis.
 - **never learned**: the final loss has not covered ``min_progress`` of the way from the clean initial loss down
-  to the data's known loss floor (0 when unknown). The same test, with ``early_min_progress``, runs once at the
+  to the data's known loss floor; where no floor is known (a user's data), down to the trivial loss (below), and
+  to 0 when that is unknown too (``_way``). The same test, with ``early_min_progress``, runs once at the
   early check (``early_check_step``), so a run that never learns is stopped after a quarter of its steps; there
   too, a run whose gradients vanished gets the vanishing diagnosis, not a retry that cannot help.
 - **stalled** (checked at every step, only where the data's loss floor is known): the best smoothed loss has not
@@ -171,6 +172,26 @@ def progress(value: float, initial: float | None, floor: float | None) -> float 
     return (initial - value) / gap
 
 
+def _way(ev: Evidence) -> tuple[float | None, str]:
+    """Where the progress rules measure the way to, and its name for a reason: the data's loss floor; where none
+    is known (a user's data), what ignoring the inputs scores, the trivial loss (None when the initial loss is not
+    above it: the way is unknown, and only the trivial-loss rule judges); with neither, 0. Toward 0 a hard task
+    asks more than it can give: a classifier on noisy labels that ends at 0.56 from a coin toss's 0.69 covered 19%
+    of that way, and was called never learned."""
+    if ev.loss_floor is not None:
+        return ev.loss_floor, f"the floor {_fmt(ev.loss_floor)}"
+    if ev.trivial_loss is not None:
+        above = ev.initial_loss is not None and ev.initial_loss > ev.trivial_loss
+        return (ev.trivial_loss if above else None), f"what ignoring the inputs scores, {_fmt(ev.trivial_loss)}"
+    return 0.0, "its floor"
+
+
+def _progress(value: float, ev: Evidence) -> float | None:
+    """``progress`` of ``value`` along the way ``_way`` names (None: unknown)."""
+    target, _ = _way(ev)
+    return None if target is None else progress(value, ev.initial_loss, target)
+
+
 def early_check_step(cfg: Success, *, max_steps: int, warmup_steps: int) -> int:
     """The step at which a run that has not started learning is stopped as never learned."""
     return min(max_steps - 1, max(int(cfg.early_check_fraction * max_steps), 3 * warmup_steps))
@@ -317,12 +338,12 @@ def _fmt(x: float | None) -> str:
 
 def judge_progress(cfg: Success, *, smoothed_loss: float, ev: Evidence, step: int) -> Verdict:
     """The early check: has the run covered ``early_min_progress`` of the way to the floor by ``step``?"""
-    p = progress(smoothed_loss, ev.initial_loss, ev.loss_floor)
+    p = _progress(smoothed_loss, ev)
     if p is None or cfg.early_min_progress == 0.0 or p >= cfg.early_min_progress:
         return Verdict(None, "learning")
     if ev.vanishing:  # the same diagnosis as at the end: no LR or clip retry can help, so do not spend one
         return _vanishing(smoothed_loss, p, ev, cfg.early_min_progress, f"by step {step} the smoothed loss")
-    floor = "its floor" if ev.loss_floor is None else f"the floor {_fmt(ev.loss_floor)}"
+    _, floor = _way(ev)
     return Verdict(
         NEVER_LEARNED,
         f"never learned: by step {step} the smoothed loss {_fmt(smoothed_loss)} covered {p:.0%} of the way from "
@@ -333,8 +354,8 @@ def judge_progress(cfg: Success, *, smoothed_loss: float, ev: Evidence, step: in
 
 def _vanishing(value: float, p: float, ev: Evidence, share: float, what: str) -> Verdict:
     """The vanishing diagnosis (the detector fired and the loss made no real progress), at the end or early."""
-    finding = (f"{what} {_fmt(value)} covered {p:.0%} of the way from the initial {_fmt(ev.initial_loss)} to the "
-               "floor")
+    finding = (f"{what} {_fmt(value)} covered {p:.0%} of the way from the initial {_fmt(ev.initial_loss)} to "
+               f"{_way(ev)[1]}")
     return _vanishing_verdict(finding, value=value, threshold=_threshold(ev, share), onset=ev.start_step)
 
 
@@ -349,9 +370,10 @@ def _vanishing_verdict(finding: str, *, value: float, threshold: float | None, o
 
 
 def _threshold(ev: Evidence, share: float) -> float | None:
-    if ev.initial_loss is None:
+    target, _ = _way(ev)
+    if ev.initial_loss is None or target is None:
         return None
-    target = ev.loss_floor if ev.loss_floor is not None and ev.loss_floor < ev.initial_loss else 0.0
+    target = target if target < ev.initial_loss else 0.0
     return ev.initial_loss - share * (ev.initial_loss - target)
 
 
@@ -362,7 +384,7 @@ def judge_end(cfg: Success, ev: Evidence, *, step: int | None = None, stall_pati
     final = ev.final_loss
     if final is None:
         return Verdict(DEGRADED, "no finite loss in the attempt's last steps", onset_step=ev.start_step)
-    p = progress(final, ev.initial_loss, ev.loss_floor)
+    p = _progress(final, ev)
     learned = p is None or cfg.min_progress == 0.0 or p >= cfg.min_progress
     if ev.vanishing and not learned and p is not None:
         return _vanishing(final, p, ev, cfg.min_progress, "the final loss")
@@ -370,7 +392,7 @@ def judge_end(cfg: Success, ev: Evidence, *, step: int | None = None, stall_pati
         return Verdict(
             NEVER_LEARNED,
             f"never learned: the final loss {_fmt(final)} covered {p:.0%} of the way from the initial "
-            f"{_fmt(ev.initial_loss)} to the floor (needs {cfg.min_progress:.0%})",
+            f"{_fmt(ev.initial_loss)} to {_way(ev)[1]} (needs {cfg.min_progress:.0%})",
             value=final, threshold=_threshold(ev, cfg.min_progress), onset_step=ev.start_step,
         )
     if ev.trivial_loss is not None and cfg.min_progress > 0.0 and final >= ev.trivial_loss:

@@ -11,7 +11,8 @@ unstable recipes, three healthy controls), ``--set 2026-12-06``, ``--set 2026-12
 third to fifth (``SCENARIOS_2026_12_06``, ``..._06B``, ``..._06C``, the same shape), ``--set 2026-12-06d`` to
 ``--set 2026-12-06g`` the sixth to ninth (eight unstable, three controls each), ``--set 2026-12-07`` the tenth
 (seven unstable, three controls), ``--set 2026-12-07b`` the eleventh (eight warmups to too-high peaks, two
-controls); their names are also accepted one by one.
+controls), ``--set 2026-12-07c`` the twelfth (your own models, datasets and losses: seven unstable, one with nothing
+to learn, two controls); their names are also accepted one by one.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from api.cli.train_cmd import run_in_process
 from benchmarks.divergence.cases import deep_merge
 from benchmarks.divergence.metrics import final_loss, steps_executed
 from contracts.recipe import Recipe
+from contracts.recipe.imports import named_modules
 from contracts.wire import AttemptSpec
 from workers.data import build_data
 from workers.data.synthetic import RegressionSource
@@ -378,12 +380,63 @@ SCENARIOS_2026_12_07B: dict[str, tuple[dict[str, Any], float]] = {
     "control-gpt-d128-adam-warmup30": (_recipe(_gpt(128), MARKOV, {"name": "adam", "lr": 0.003}, warmup=30), 0.003),
     "control-gpt-d48-warmup25": (_recipe(_gpt(48), MARKOV, {"name": "adamw", "lr": 0.003}, warmup=25), 0.003),
 }
+USER = "benchmarks.divergence.user_code"
+EXAMPLE = "examples.classifier.model"
+
+
+def _own(model: str, params: dict[str, Any], data: str, data_params: dict[str, Any], loss: dict[str, Any],
+         optimizer: dict[str, Any], *, warmup: int = 0) -> dict[str, Any]:
+    """A recipe on your own code: a model and a dataset factory by import string (``user_code.py`` unless the
+    name has a module), 32 samples per batch."""
+    def ref(name: str) -> str:
+        return name if ":" in name else f"{USER}:{name}"
+
+    doc = _recipe({"name": "custom", "factory": ref(model), "params": params},
+                  {"name": "dataset", "factory": ref(data), "params": data_params}, optimizer, warmup=warmup)
+    doc["training"]["batch_size"] = 32
+    doc["loss"] = loss
+    return doc
+
+
+CE, MSE = {"name": "cross_entropy"}, {"name": "mse"}
+SCENARIOS_2026_12_07C: dict[str, tuple[dict[str, Any], float]] = {
+    # written on 2026-12-07 (a third set that day) after the trivial loss of a user's dataset: your own models,
+    # datasets and losses (user_code.py and the classifier example), which no earlier set had. The first was seen
+    # while writing it (at AdamW 0.03 the classifier was stopped as diverging at a loss of 0.007, which led to the
+    # ratio rule's noise margin); the others were written before any of them ran
+    "own-classifier-adamw-0.03": (_own(f"{EXAMPLE}:make_classifier",
+                                       {"in_features": 16, "hidden": 64, "classes": 4, "depth": 3},
+                                       f"{EXAMPLE}:make_dataset", {"n": 2048, "in_features": 16, "classes": 4}, CE,
+                                       {"name": "adamw", "lr": 0.03}), 0.001),
+    "own-residual-mlp-offset-adamw-high": (_own("residual_mlp", {}, "offset_regression", {}, MSE,
+                                                {"name": "adamw", "lr": 0.05}), 0.001),
+    "own-mlp-offset10-sgd-high": (_own("mlp", {}, "offset_regression", {"offset": 10.0}, MSE,
+                                       {"name": "sgd", "lr": 0.05, "momentum": 0.0}), 0.002),
+    "own-keyed-dict-adam-high": (_own("keyed_net", {}, "keyed", {}, CE, {"name": "adam", "lr": 0.3}), 0.003),
+    "own-imbalanced-adam-high": (_own("mlp", {"out": 4}, "imbalanced_classes", {"major": 0.95}, CE,
+                                      {"name": "adam", "lr": 0.05}), 0.001),
+    "own-residual-mlp-imbalanced-sgd-momentum": (_own("residual_mlp", {"out": 4}, "imbalanced_classes", {}, CE,
+                                                      {"name": "sgd", "lr": 1.0, "momentum": 0.9}, warmup=10),
+                                                 0.05),
+    "own-mlp-smoothed-ce-adamw-warmup-high": (_own("mlp", {"out": 4, "depth": 5}, "imbalanced_classes", {},
+                                                   {"name": "cross_entropy", "label_smoothing": 0.1},
+                                                   {"name": "adamw", "lr": 0.1}, warmup=20), 0.002),
+    # nothing to learn: labels independent of the features; the right outcome is never_learned, not SUCCEEDED
+    "own-unrelated-labels": (_own("mlp", {"in_features": 8, "out": 2}, "unrelated_labels", {}, CE,
+                                  {"name": "adam", "lr": 0.001}), 0.0003),
+    # healthy controls: the reference is the run itself; ballast should leave them alone (1 attempt)
+    "control-own-residual-mlp-offset": (_own("residual_mlp", {}, "offset_regression", {}, MSE,
+                                             {"name": "adamw", "lr": 0.001}), 0.001),
+    "control-own-keyed-dict": (_own("keyed_net", {}, "keyed", {}, CE, {"name": "adam", "lr": 0.003}), 0.003),
+}
 POLICIES = {"none": {"max_retries": 0}, "ballast": {}}
 
 
 def run(doc: dict[str, Any], recovery: dict[str, Any]) -> dict[str, Any]:
     """One run through the local recovery loop: its outcome, attempts, final loss and steps executed."""
-    recipe = Recipe.model_validate({**copy.deepcopy(doc), "recovery": recovery})
+    admitted = named_modules(doc)  # the scenario's own code (user_code.py, the examples)
+    recipe = Recipe.model_validate({**copy.deepcopy(doc), "recovery": recovery},
+                                   context={"allowed_import_modules": admitted})
     sinks: list[ListSink] = []  # one per attempt, in order
 
     def make_sink(spec: AttemptSpec, start: int) -> ListSink:
@@ -391,7 +444,7 @@ def run(doc: dict[str, Any], recovery: dict[str, Any]) -> dict[str, Any]:
         return sinks[-1]
 
     with tempfile.TemporaryDirectory() as root:
-        out = LocalRun(recipe, Path(root), run_in_process, make_sink=make_sink).run()
+        out = LocalRun(recipe, Path(root), run_in_process, make_sink=make_sink, allowed_import_modules=admitted).run()
     # the metric events as the REST series the benchmark measures (a non-finite loss is absent, as there), so
     # both measure with one definition
     data: dict[str, Any] = {"series": {name: {"attempts": [], "steps": [], "values": []}
@@ -421,7 +474,7 @@ SETS: dict[str, dict[str, tuple[dict[str, Any], float]]] = {
     "first": SCENARIOS, "2026-12-05": SCENARIOS_2026_12_05, "2026-12-06": SCENARIOS_2026_12_06,
     "2026-12-06b": SCENARIOS_2026_12_06B, "2026-12-06c": SCENARIOS_2026_12_06C, "2026-12-06d": SCENARIOS_2026_12_06D,
     "2026-12-06e": SCENARIOS_2026_12_06E, "2026-12-06f": SCENARIOS_2026_12_06F, "2026-12-06g": SCENARIOS_2026_12_06G,
-    "2026-12-07": SCENARIOS_2026_12_07, "2026-12-07b": SCENARIOS_2026_12_07B,
+    "2026-12-07": SCENARIOS_2026_12_07, "2026-12-07b": SCENARIOS_2026_12_07B, "2026-12-07c": SCENARIOS_2026_12_07C,
 }
 """Every set by name (``--set NAME``); the first (``SCENARIOS``) also runs when no name is given."""
 

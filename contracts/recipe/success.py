@@ -15,9 +15,10 @@ class Success(Section):
     reached (a run that learned, then drifted back up, is degraded and is rolled back to its best checkpoint)."""
     min_progress: StrictFloat = Field(default=0.25, ge=0.0, le=1.0)
     """Real progress: the final loss must have covered this fraction of the way from the clean initial loss down
-    to the data's known loss floor (down to 0 when the floor is unknown), and at the end be below what the best
-    prediction that ignores the inputs scores (the data's trivial loss: built-in data knows it; for a user's
-    dataset it is measured on the training targets). 0 turns both rules off."""
+    to the data's known loss floor, and at the end be below what the best prediction that ignores the inputs
+    scores (the data's trivial loss: built-in data knows it; for a user's dataset it is measured on the training
+    targets). Where no floor is known the way ends at that trivial loss (at 0 when it is unknown too: a custom
+    loss). 0 turns both rules off."""
     early_check_fraction: StrictFloat = Field(default=0.25, gt=0.0, le=1.0)
     """At this fraction of training.max_steps (and not before 3x the warmup), a run that has covered less than
     early_min_progress of that way has never learned: it is stopped then instead of at the end."""
@@ -54,7 +55,7 @@ class Success(Section):
     loss_floor: StrictFloat | None = Field(default=None, ge=0.0)
     """The lowest loss your data allows, in the loss's units, when you know it (e.g. an estimate of its entropy for
     a language model's cross-entropy): the floor the progress rules measure the way toward. Built-in data knows its
-    own (this replaces it); user data has none, and then progress is measured toward 0 and the rules that need a
-    floor (stall, collapse) are off."""
+    own (this replaces it); user data has none, and then progress is measured toward what ignoring the inputs
+    scores (toward 0 where that is unknown too) and the rules that need a floor (stall, collapse) are off."""
     max_final_loss: StrictFloat | None = Field(default=None)
     """Your own bar: the final loss must be at most this (None: no bar)."""

@@ -9,14 +9,7 @@ from typing import Any
 import pytest
 
 from benchmarks.divergence.cases import POLICIES, load_cases
-from benchmarks.divergence.fresh import (
-    FAULTS_OFF,
-    SCENARIOS,
-    SCENARIOS_2026_12_05,
-    SCENARIOS_2026_12_06,
-    SCENARIOS_2026_12_06B,
-    SCENARIOS_2026_12_06C,
-)
+from benchmarks.divergence.fresh import FAULTS_OFF, SCENARIOS, SETS
 from benchmarks.divergence.metrics import (
     evaluate_targets,
     final_loss,
@@ -27,6 +20,7 @@ from benchmarks.divergence.metrics import (
 )
 from benchmarks.divergence.run import plan_submissions
 from contracts.recipe import RegressionData, validate_recipe_data
+from contracts.recipe.imports import named_modules
 from workers.data import build_data
 
 CASES = load_cases()
@@ -184,15 +178,12 @@ def test_fresh_scenarios_are_valid_recipes_and_their_references_only_lower_the_l
         assert "recovery" not in doc and not doc["faults"], name  # the policy's defaults; no injected fault
 
 
-@pytest.mark.parametrize("scenarios", [SCENARIOS_2026_12_05, SCENARIOS_2026_12_06, SCENARIOS_2026_12_06B,
-                                       SCENARIOS_2026_12_06C],
-                         ids=["2026-12-05", "2026-12-06", "2026-12-06b", "2026-12-06c"])
-def test_the_later_fresh_sets_change_one_thing_for_their_references(
-    scenarios: dict[str, tuple[dict[str, Any], float]],
-) -> None:
-    """Each reference lowers the LR, or drops the injected fault; a control is its own reference."""
-    for name, (doc, ref_lr) in scenarios.items():
-        recipe = validate_recipe_data({**doc, "recovery": {}})
+@pytest.mark.parametrize("fresh_set", ["2026-12-05", "2026-12-06", "2026-12-06b", "2026-12-06c", "2026-12-07c"])
+def test_the_later_fresh_sets_change_one_thing_for_their_references(fresh_set: str) -> None:
+    """Each reference lowers the LR, or drops the injected fault; a control is its own reference. A scenario on
+    your own code names the modules it imports, and only those are admitted."""
+    for name, (doc, ref_lr) in SETS[fresh_set].items():
+        recipe = validate_recipe_data({**doc, "recovery": {}}, allowed_import_modules=named_modules(doc))
         assert "recovery" not in doc, name  # the policy's defaults
         if ref_lr == FAULTS_OFF:
             assert doc["faults"], name

@@ -150,3 +150,12 @@ def make_unrelated_labels(n: int = 4096, dim: int = 8, major: float = 0.9) -> to
     g = torch.Generator().manual_seed(17)
     return torch.utils.data.TensorDataset(torch.randn(n, dim, generator=g),
                                           (torch.rand(n, generator=g) > major).long())
+
+
+def make_noisy_labels(n: int = 8192, dim: int = 16) -> torch.utils.data.TensorDataset:
+    """Two classes drawn as ``Bernoulli(sigmoid(x @ w))`` with a weak ``w``: learnable, but the best possible
+    cross-entropy is not far below a coin toss's (a hard task: churn, clicks)."""
+    g = torch.Generator().manual_seed(19)
+    x = torch.randn(n, dim, generator=g)
+    p = torch.sigmoid(x @ (torch.randn(dim, generator=g) / dim**0.5))
+    return torch.utils.data.TensorDataset(x, (torch.rand(n, generator=g) < p).long())

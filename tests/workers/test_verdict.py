@@ -66,6 +66,12 @@ def ev(final: float | None, *, best: float | None = 1.6, best_step: int | None =
         (ev(1.0, best=1.0, initial=1.5e6, floor=1e-4, trivial=1.0), NEVER_LEARNED, 0),  # exactly the mean's loss
         (ev(0.9, best=0.9, initial=1.5e6, floor=1e-4, trivial=1.0), None, None),  # below it: it learned something
         (ev(1.65, trivial=3.18), None, None),  # a language model well below its token frequencies' entropy
+        # a user's data: no floor, the way measured toward what ignoring the inputs scores (measured on the targets)
+        (ev(0.6, best=0.59, initial=0.7, floor=None, trivial=0.69), None, None),  # a hard task, 14% of the way to 0
+        (ev(0.69, best=0.68, initial=0.7, floor=None, trivial=0.69), NEVER_LEARNED, 0),  # the frequencies' entropy
+        (ev(0.67, best=0.67, initial=0.68, floor=None, trivial=0.69), None, None),  # started below it: it beat it
+        (ev(30.0, best=29.0, initial=100.0, floor=None, trivial=1.0), NEVER_LEARNED, 0),  # targets' mean far from 0
+        (ev(80.0, best=79.0, initial=100.0, floor=None, trivial=1.0), NEVER_LEARNED, 0),  # 20% of the way to 1
     ],
 )
 def test_judge_end(evidence: Evidence, kind: str | None, onset: int | None) -> None:
@@ -91,6 +97,15 @@ def test_a_loss_no_better_than_ignoring_the_inputs_names_both_numbers() -> None:
     v = judge_end(CFG, ev(4.1e4, best=4.0e4, initial=1.5e6, floor=1e-4, trivial=1.0, vanishing=True))
     assert v.reason.startswith("vanishing gradients: the final loss 4.1e+04 is no better than 1,")
     assert "cannot fix vanishing gradients" in v.reason and v.threshold == 1.0
+
+
+def test_the_reason_names_the_way_it_measured() -> None:
+    """The floor when known; else, on a user's data, what ignoring the inputs scores; else 0 ("its floor")."""
+    assert "to the floor 1.39 (needs 25%)" in judge_end(CFG, ev(4.0)).reason
+    v = judge_end(CFG, ev(80.0, best=79.0, initial=100.0, floor=None, trivial=1.0))
+    assert "covered 20% of the way from the initial 100 to what ignoring the inputs scores, 1 (needs 25%)" in v.reason
+    assert v.threshold == pytest.approx(100.0 - 0.25 * 99.0)
+    assert "to its floor (needs 25%)" in judge_end(CFG, ev(0.9, best=0.85, initial=1.0, floor=None)).reason
 
 
 def test_users_own_bar() -> None:
