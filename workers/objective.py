@@ -162,12 +162,14 @@ class Objective:
         return isinstance(self.spec, ModelLoss)
 
     def trivial_loss(self, targets: Tensor) -> float | None:
-        """``trivial_loss`` under this objective: the recipe's loss, or a built-in model's own (``loss_spec``)."""
+        """``trivial_loss`` under this objective: the recipe's loss, or the model's own where it is known (a
+        built-in model's ``loss_spec``, a Hugging Face causal LM's cross-entropy)."""
         from workers.models.builtin import BallastModel  # here: workers.models imports this module
+        from workers.models.hf import causal_lm_loss_spec
 
         spec: LossSpec | None = self.spec
         if isinstance(spec, ModelLoss):
-            spec = self.model.loss_spec() if isinstance(self.model, BallastModel) else None
+            spec = self.model.loss_spec() if isinstance(self.model, BallastModel) else causal_lm_loss_spec(self.model)
         return None if spec is None else trivial_loss(spec, targets, classes=self.classes)
 
     def call_convention(self, batch: Batch) -> str:

@@ -47,6 +47,7 @@ from workers.checkpoint import load_checkpoint
 from workers.context import WorkerContext
 from workers.data import DatasetSource, SeededSampler, SpecError, build_data
 from workers.data import dataset as dataset_module
+from workers.data import tokens as tokens_module
 from workers.entry import run_attempt
 from workers.faults import FaultInjector
 from workers.models import build_model, find_blocks, model_blocks, param_block_index, set_activation_checkpointing
@@ -406,8 +407,8 @@ def test_trivial_loss_is_unknown_where_it_cannot_be_worked_out() -> None:
     assert trivial_loss(CrossEntropyLoss(label_smoothing=0.1), labels) is None  # smoothing needs the logits' size
     assert trivial_loss(CrossEntropyLoss(), labels, classes=2) is None  # a label beyond the logits
     assert trivial_loss(MSELoss(), torch.randn(1, 3)) is None  # one sample
-    hf = build_model(HFCausalLMModel(config=GPT2), seed=0)
-    assert Objective(hf, ModelLoss()).trivial_loss(labels) is None
+    kw = build_model(_custom(f"{FIX}:make_keyword_classifier"), allowed_import_modules=ALLOWED)
+    assert Objective(kw, ModelLoss()).trivial_loss(labels) is None  # a model's own loss Ballast cannot name
     assert Objective(build_model(TinyGPTModel(z_loss=1e-4), seed=0)).trivial_loss(labels) is None  # CE + z-loss
 
 
@@ -687,3 +688,39 @@ def test_a_blown_up_start_on_your_data_that_never_beats_the_mean_has_never_learn
     variance = float(fixtures.make_linear_targets().tensors[1].double().var(correction=0))
     assert res.detector == "never_learned", res.reason
     assert f"no better than {variance:.4g}," in res.reason, res.reason
+
+
+def test_a_language_model_that_learns_only_the_token_frequencies_has_never_learned(tmp_path: Path) -> None:
+    """A Hugging Face causal LM's own loss is cross-entropy over its labels, so on a token file the trivial loss is
+    the entropy of the token frequencies: a model that predicts only those has learned nothing from the context
+    (a collapse a 50k vocabulary would hide, 30% of the way from ln 50257 to 0). Tokens drawn independently of one
+    another (Zipf-like frequencies) leave GPT-2 nothing else to learn: never learned. The example's Markov tokens,
+    whose successors depend on the context, end healthy under the same bars."""
+    rng = np.random.default_rng(3)
+    freqs = 1.0 / np.arange(1, 65) ** 1.1
+    path = tmp_path / "iid.npy"
+    np.save(path, rng.choice(64, size=16384, p=freqs / freqs.sum()).astype(np.uint16))
+    bars = {"min_progress": 0.25, "early_min_progress": 0.05}
+    iid = run(gpt2_recipe(tmp_path, data={"path": str(path)}, training={"max_steps": 60}, success=bars),
+              tmp_path / "iid")
+    assert iid.detector == "never_learned" and "ignores the inputs" in iid.reason, iid.reason
+    markov = run(gpt2_recipe(tmp_path, training={"max_steps": 60}, success=bars), tmp_path / "markov")
+    assert markov.outcome == "succeeded", markov.reason
+
+
+def test_a_token_files_training_targets_are_its_training_windows_or_a_seeded_sample(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """All the training windows' labels (the held-out tail left out), or, past ``TARGETS_READ_LIMIT`` windows, a
+    seeded sample of that many: the same on every rank, with the file's token frequencies."""
+    path = write_tokens(tmp_path / "tokens.npy", n_tokens=4096, vocab_size=64)
+    spec = TokensFileData(path=str(path), seq_len=16, eval_fraction=0.25)
+    whole = build_data(spec, seed=0, batch_size=4).training_targets()
+    tokens = torch.as_tensor(np.load(path).astype(np.int64))
+    assert whole is not None and torch.equal(whole, tokens[: 192 * 16].reshape(192, 16))  # 256 windows, 64 held out
+    monkeypatch.setattr(tokens_module, "TARGETS_READ_LIMIT", 50)
+    ranks = [build_data(spec, seed=0, batch_size=4, rank=r, world_size=2).training_targets() for r in (0, 1)]
+    assert ranks[0] is not None and ranks[1] is not None and torch.equal(ranks[0], ranks[1])
+    assert ranks[0].shape == (50, 16) and {tuple(row) for row in ranks[0].tolist()} <= set(map(tuple, whole.tolist()))
+    gpt = build_model(HFCausalLMModel(config=GPT2), seed=0)
+    measured, exact = Objective(gpt, ModelLoss()).trivial_loss(ranks[0]), trivial_loss(CrossEntropyLoss(), whole)
+    assert measured is not None and exact is not None and measured == pytest.approx(exact, abs=0.1)

@@ -9,6 +9,7 @@ causal LM shifts them itself) from the same seeded sampler as ``dataset`` data.
 
 from __future__ import annotations
 
+import random
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -19,8 +20,8 @@ from torch import Tensor
 from torch.utils.data import Dataset
 
 from contracts.recipe import TokensFileData
-from workers.data.base import SpecError
-from workers.data.dataset import DatasetSource
+from workers.data.base import SpecError, stream_seed
+from workers.data.dataset import TARGETS_READ_LIMIT, DatasetSource
 
 
 class TokenWindows(Dataset[dict[str, Tensor]]):
@@ -102,3 +103,14 @@ class TokensFileSource(DatasetSource):
         self.kind = "tokens"
         self.seq_len = spec.seq_len
         self.vocab_size = vocab if vocab is not None else int(np.max(tokens)) + 1
+
+    def training_targets(self) -> Tensor | None:
+        """The labels of the training windows: all of them, or of a seeded sample of ``TARGETS_READ_LIMIT`` windows
+        of a larger file (millions of tokens: their frequencies, all the trivial loss reads, barely move), the
+        same on every rank."""
+        windows = self.train_set
+        assert isinstance(windows, TokenWindows)
+        n = len(windows)
+        picks = range(n) if n <= TARGETS_READ_LIMIT else sorted(
+            random.Random(stream_seed("trivial-loss", self.seed)).sample(range(n), TARGETS_READ_LIMIT))
+        return torch.stack([windows[i]["labels"] for i in picks])

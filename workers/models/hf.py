@@ -8,12 +8,13 @@ recipe's seed) or loaded from a local directory with ``local_files_only=True``.
 from __future__ import annotations
 
 import importlib
+import sys
 from types import ModuleType
 from typing import Any
 
 from torch import nn
 
-from contracts.recipe import HFCausalLMModel
+from contracts.recipe import CrossEntropyLoss, HFCausalLMModel, LossSpec
 from workers.data import DataDims, SpecError
 
 
@@ -46,6 +47,20 @@ def build_hf_causal_lm(spec: HFCausalLMModel) -> nn.Module:
     if not isinstance(model, nn.Module):
         raise SpecError(f"model.name: transformers returned a {type(model).__name__}, not a torch module")
     return model
+
+
+def causal_lm_loss_spec(model: nn.Module) -> LossSpec | None:
+    """A Hugging Face causal LM's own loss as a ``loss:`` section would name it: cross-entropy over its labels
+    (it shifts them one position first, which leaves their frequencies all but unchanged); None for any other
+    model. The verdict's trivial loss on a token file is measured under it."""
+    tf = sys.modules.get("transformers")  # a Hugging Face model means transformers is imported already
+    if tf is None:
+        return None
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    names = {n for v in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values() for n in ((v,) if isinstance(v, str) else v)}
+    causal = isinstance(model, tf.PreTrainedModel) and type(model).__name__ in names
+    return CrossEntropyLoss() if causal else None
 
 
 def check_hf_data(model: nn.Module, data: DataDims | None) -> None:
