@@ -693,9 +693,9 @@ def test_a_blown_up_start_on_your_data_that_never_beats_the_mean_has_never_learn
 def test_a_language_model_that_learns_only_the_token_frequencies_has_never_learned(tmp_path: Path) -> None:
     """A Hugging Face causal LM's own loss is cross-entropy over its labels, so on a token file the trivial loss is
     the entropy of the token frequencies: a model that predicts only those has learned nothing from the context
-    (a collapse a 50k vocabulary would hide, 30% of the way from ln 50257 to 0). Tokens drawn independently of one
-    another (Zipf-like frequencies) leave GPT-2 nothing else to learn: never learned. The example's Markov tokens,
-    whose successors depend on the context, end healthy under the same bars."""
+    (a collapse a large vocabulary hid: the fall from ln V to it can cover a quarter of the way to 0). Tokens drawn
+    independently of one another (Zipf-like frequencies) leave GPT-2 nothing else to learn: never learned. The
+    example's Markov tokens, whose successors depend on the context, end healthy under the same bars."""
     rng = np.random.default_rng(3)
     freqs = 1.0 / np.arange(1, 65) ** 1.1
     path = tmp_path / "iid.npy"
