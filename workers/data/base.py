@@ -128,12 +128,6 @@ class DataSource(ABC):
     frequencies for CE), when known: a model that ends no lower has learned nothing from its inputs, however far
     it fell from a blown-up initial loss (``workers/verdict.py``)."""
 
-    def training_targets(self) -> Tensor | None:
-        """All the training targets, the same on every rank, where they can be read whole at little cost: the
-        trainer measures the trivial loss on them when the source does not know it. None here (synthetic data
-        knows its trivial loss; a custom factory's batches are per rank)."""
-        return None
-
     def __init__(self, spec: Any, *, seed: int, batch_size: int, rank: int, world_size: int) -> None:
         if batch_size < 1:
             raise SpecError(f"training.batch_size: must be >= 1, got {batch_size}")
@@ -147,6 +141,12 @@ class DataSource(ABC):
         self.rank = rank
         self.world_size = world_size
         self._key = _spec_key(spec)
+
+    def training_targets(self) -> Tensor | None:
+        """All the training targets, the same on every rank, where they can be read whole at little cost: the
+        trainer measures the trivial loss on them when the source does not know it. None here (synthetic data
+        knows its trivial loss; a custom factory's batches are per rank)."""
+        return None
 
     def _generator(self, stream: str, index: int) -> torch.Generator:
         if index < 0:
