@@ -41,7 +41,7 @@ ANOMALY_KINDS = (
     "nonfinite", "loss_scale_collapse", "grad_norm_spike", "loss_spike", "divergence", "oscillation", "stagnation",
     "vanishing_gradients", "skip_escalation",  # the step detectors (workers/detectors)
     # the outcome verdict (workers/verdict.py)
-    "vanishing", "never_learned", "stalled", "collapsed", "degraded", "above_bar", "eval_degraded",
+    "vanishing", "never_learned", "stalled", "collapsed", "degraded", "above_bar", "eval_degraded", "overfitting",
     "checkpoint_corrupt",  # the control plane: a checkpoint failed verification (orchestrator/store/checkpoints.py)
 )
 """Every ``kind`` an ``anomaly`` event can carry. A ``Finding`` of any other kind is refused when it is made, so

@@ -33,7 +33,7 @@ from __future__ import annotations
 import math
 import statistics
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -498,8 +498,23 @@ class GuardedTrainer:
             start_step=self.start_step,
             progress_step=None if self.stall_clock.mark is None else self.stall_clock.mark[0],
             stalled_for=self.stall_clock.longest, stalled_from=self.stall_clock.longest_from,
-            eval=None if self.evals is None else self.evals.evidence(),
+            eval=self._eval_evidence(summary.initial),
         )
+
+    def _eval_evidence(self, initial: float | None) -> EvalEvidence | None:
+        """The eval series' evidence with the training loss where the eval loss was best (``train_at_best``)."""
+        held_out = None if self.evals is None else self.evals.evidence()
+        if held_out is None or held_out.best_step is None:
+            return held_out
+        best, res = held_out.best_step, self.result
+        if best == 0:
+            before: float | None = initial
+        elif best <= self.start_step:
+            before = None  # an earlier attempt's steps
+        else:
+            before = final_loss(res.losses[: best - self.start_step], self.recipe.success.window,
+                                start_step=self.start_step, skipped=res.skipped_steps)
+        return replace(held_out, train_at_best=before)
 
     def _trivial_loss(self) -> float | None:
         """What learning nothing scores: the data's own figure, else the best input-free guess's loss on the

@@ -27,7 +27,8 @@ by an anomaly at step ``onset`` iff ``s <= onset``.
 diverged → ``numeric_retry`` (``recovery.strategy: restart_latest`` instead resumes the newest valid checkpoint
 with the same settings, the baseline other systems apply):
 - Vanishing gradients (kind ``vanishing`` from the outcome verdict, or ``vanishing_gradients`` with a rollback
-  action) → ``GiveUp`` with the diagnosis: no tightening of LR or clip can fix them.
+  action) and overfitting (``overfitting``: the held-out loss rose while the training loss fell) → ``GiveUp``
+  with the diagnosis: no tightening of LR or clip can fix them.
 - Resume from the **best valid, healthy** lineage checkpoint with ``step <= onset - rollback_margin_steps``: the
   lowest smoothed loss at save time (ties and unknown losses: the newest), so a rollback never lands on a
   checkpoint that had already degraded. (onset: ``onset_step``, else ``final_step``, else ``start_step``). When the
@@ -106,6 +107,7 @@ from orchestrator.policy.tightening import (
     AGC,
     DTYPE,
     EARLY_FRACTION,
+    HOPELESS,
     HOPELESS_KINDS,
     LR,
     MAX_NORM,
@@ -452,8 +454,7 @@ def _numeric_retry(
     if used >= rec.max_retries:
         return GiveUp(f"{_ended(last, onset)}; numeric retry budget exhausted ({used}/{rec.max_retries})")
     if last.detector in HOPELESS_KINDS:
-        return GiveUp(f"{_ended(last, onset)}; vanishing gradients cannot be fixed by tightening the LR or the "
-                      "clip threshold (change the activation, initialisation, normalisation or residuals)")
+        return GiveUp(f"{_ended(last, onset)}; {HOPELESS[last.detector]}")
     tightened = _tightening(eff, history, last, onset, used)
     if isinstance(tightened, str):
         return GiveUp(f"{_ended(last, onset)}; nothing left to tighten ({tightened})")

@@ -28,8 +28,15 @@ LOSS_KINDS = frozenset({"divergence", "loss_spike", "degraded", "eval_degraded",
 """Ends whose evidence is the loss (or a non-finite value): the step size is too large, so the LR goes first."""
 GRADIENT_KINDS = frozenset({"grad_norm_spike", "skip_escalation"})
 """Ends whose evidence is the gradient alone: a transient spike, so the clip threshold goes first."""
-HOPELESS_KINDS = frozenset({"vanishing", "vanishing_gradients"})
-"""Ends that no tightening of LR or clip can fix: the run fails with the diagnosis."""
+HOPELESS: dict[str, str] = {
+    "vanishing": "vanishing gradients cannot be fixed by tightening the LR or the clip threshold (change the "
+                 "activation, initialisation, normalisation or residuals)",
+    "overfitting": "overfitting is not fixed by tightening the LR or the clip threshold (stop earlier, regularise "
+                   "or add data)",
+}
+HOPELESS["vanishing_gradients"] = HOPELESS["vanishing"]
+HOPELESS_KINDS = frozenset(HOPELESS)
+"""Ends that no tightening of LR or clip can fix: the run fails with the diagnosis (``HOPELESS``: why)."""
 NEVER_LEARNED = "never_learned"
 NO_PROGRESS_KINDS = frozenset({NEVER_LEARNED, "stalled", "collapsed"})
 """Ends after which halving the LR is a guess that rarely suffices: it moves by the factor squared (a run that

@@ -710,6 +710,13 @@ def test_vanishing_gives_up_with_the_diagnosis_after_at_most_one_look() -> None:
         assert "vanishing" in out.reason and "cannot be fixed by tightening" in out.reason
 
 
+def test_overfitting_gives_up_with_the_diagnosis_without_a_retry() -> None:
+    """The held-out loss rose while the training loss fell: a lower LR or clip threshold is not the fix."""
+    out = give_up(recipe(), [diverged(1, 300, detector="overfitting")], EVERY_100)
+    assert "overfitting is not fixed by tightening" in out.reason and "regularise" in out.reason
+    assert plan(recipe(), [diverged(1, 300, detector="eval_degraded")], EVERY_100).resume_step <= 300  # retried
+
+
 @pytest.mark.parametrize(
     ("schedule", "onset", "warmup_override", "text"),
     [

@@ -15,6 +15,7 @@ from workers.verdict import (
     DEGRADED,
     EVAL_DEGRADED,
     NEVER_LEARNED,
+    OVERFITTING,
     STALLED,
     VANISHING,
     VERDICT_KINDS,
@@ -27,6 +28,7 @@ from workers.verdict import (
     final_loss,
     judge_collapse,
     judge_end,
+    judge_eval,
     judge_progress,
     judge_stall,
     progress,
@@ -409,8 +411,9 @@ def test_a_finding_of_an_unknown_kind_is_refused_when_made() -> None:
 
 # ------------------------------------------------------------------------------------ the held-out (eval) rules
 def held_out(final: float, *, best: float | None = 1.7, best_step: int | None = 200, initial: float | None = 4.1,
-             final_step: int = 300) -> EvalEvidence:
-    return EvalEvidence(initial=initial, best=best, best_step=best_step, final=final, final_step=final_step)
+             final_step: int = 300, train_at_best: float | None = None) -> EvalEvidence:
+    return EvalEvidence(initial=initial, best=best, best_step=best_step, final=final, final_step=final_step,
+                        train_at_best=train_at_best)
 
 
 @pytest.mark.parametrize(
@@ -436,6 +439,29 @@ def test_judge_end_with_an_eval_series(evals: EvalEvidence | None, kind: str | N
     if kind is not None:
         assert v.onset_step == onset
         assert "eval loss" in v.reason
+
+
+@pytest.mark.parametrize(
+    ("evals", "kind"),
+    [
+        (held_out(2.2, train_at_best=1.9), OVERFITTING),               # the training loss fell 13% meanwhile
+        (held_out(2.2, train_at_best=1.8), EVAL_DEGRADED),             # fell 8%: under the 10% tolerance
+        (held_out(2.2, train_at_best=None), EVAL_DEGRADED),            # unknown there (an earlier attempt)
+        (held_out(float("nan"), train_at_best=4.2), EVAL_DEGRADED),     # not finite: a numeric problem
+        (held_out(4.3, best=4.1, best_step=0, train_at_best=4.2), OVERFITTING),  # never better than untrained
+        (held_out(1.75, train_at_best=4.2), None),                     # healthy is healthy
+    ],
+)
+def test_a_held_out_loss_that_rose_while_the_training_loss_fell_is_overfitting(
+    evals: EvalEvidence, kind: str | None,
+) -> None:
+    """The training loss at the end (1.65) against where it was when the eval loss was at its best: fallen by more
+    than the eval tolerance, the held-out regression is overfitting, which the recovery policy does not retry."""
+    v = judge_end(CFG, dataclasses.replace(ev(1.65, start=100), eval=evals))
+    assert v.kind == kind, v.reason
+    if kind == OVERFITTING:
+        assert "training loss fell from" in v.reason and "1.65" in v.reason and "stop earlier" in v.reason
+        assert v.onset_step == judge_eval(evals, tolerance=0.1, start_step=100).onset_step
 
 
 def test_training_rules_come_first_and_the_bar_after() -> None:
