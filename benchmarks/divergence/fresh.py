@@ -399,6 +399,10 @@ def _own(model: str, params: dict[str, Any], data: str, data_params: dict[str, A
 
 
 CE, MSE = {"name": "cross_entropy"}, {"name": "mse"}
+_MEMORISES = _own("mlp", {"out": 4, "hidden": 256, "depth": 4}, "imbalanced_classes", {"n": 256, "major": 0.5}, CE,
+                  {"name": "adam", "lr": 0.003})
+_MEMORISES["training"].update(max_steps=300, eval_interval=25)
+_MEMORISES["data"]["eval_fraction"] = 0.25
 SCENARIOS_2026_12_07C: dict[str, tuple[dict[str, Any], float]] = {
     # written on 2026-12-07 (a third set that day) after the trivial loss of a user's dataset: your own models,
     # datasets and losses (user_code.py and the classifier example), which no earlier set had. The first was seen
@@ -421,6 +425,9 @@ SCENARIOS_2026_12_07C: dict[str, tuple[dict[str, Any], float]] = {
     "own-mlp-smoothed-ce-adamw-warmup-high": (_own("mlp", {"out": 4, "depth": 5}, "imbalanced_classes", {},
                                                    {"name": "cross_entropy", "label_smoothing": 0.1},
                                                    {"name": "adamw", "lr": 0.1}, warmup=20), 0.002),
+    # seen while writing the set, like the first: a wide MLP memorises 192 samples while its held-out loss rises
+    # (overfitting, not a divergence: no LR or clip retry fixes it)
+    "own-mlp-memorises-eval": (_MEMORISES, 0.001),
     # nothing to learn: labels independent of the features; the right outcome is never_learned, not SUCCEEDED
     "own-unrelated-labels": (_own("mlp", {"in_features": 8, "out": 2}, "unrelated_labels", {}, CE,
                                   {"name": "adam", "lr": 0.001}), 0.0003),
