@@ -11,8 +11,8 @@ unstable recipes, three healthy controls), ``--set 2026-12-06``, ``--set 2026-12
 third to fifth (``SCENARIOS_2026_12_06``, ``..._06B``, ``..._06C``, the same shape), ``--set 2026-12-06d`` to
 ``--set 2026-12-06g`` the sixth to ninth (eight unstable, three controls each), ``--set 2026-12-07`` the tenth
 (seven unstable, three controls), ``--set 2026-12-07b`` the eleventh (eight warmups to too-high peaks, two
-controls), ``--set 2026-12-07c`` the twelfth (your own models, datasets and losses: seven unstable, one with nothing
-to learn, two controls); their names are also accepted one by one.
+controls), ``--set 2026-12-07c`` the twelfth (your own models, datasets and losses: seven unstable, one that
+overfits, one with nothing to learn, two controls); their names are also accepted one by one.
 """
 
 from __future__ import annotations
