@@ -724,3 +724,20 @@ def test_a_token_files_training_targets_are_its_training_windows_or_a_seeded_sam
     gpt = build_model(HFCausalLMModel(config=GPT2), seed=0)
     measured, exact = Objective(gpt, ModelLoss()).trivial_loss(ranks[0]), trivial_loss(CrossEntropyLoss(), whole)
     assert measured is not None and exact is not None and measured == pytest.approx(exact, abs=0.1)
+
+
+def test_a_sharded_causal_lm_keeps_its_own_loss_for_the_trivial_loss() -> None:
+    """FSDP2's ``fully_shard`` swaps the module's class for a subclass (``FSDPGPT2LMHeadModel``): the causal LM's
+    own loss is still known, so its trivial loss too. A real one-rank gloo group, sharded as a run shards it."""
+    import torch.distributed as dist
+
+    from workers.models.hf import causal_lm_loss_spec
+    from workers.sharding import shard_model
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)  # type: ignore[attr-defined]
+    try:
+        gpt = shard_model(build_model(HFCausalLMModel(config=GPT2), seed=0), torch.device("cpu"))
+        assert type(gpt).__name__.startswith("FSDP")
+        assert causal_lm_loss_spec(gpt) == CrossEntropyLoss()
+    finally:
+        dist.destroy_process_group()

@@ -59,7 +59,8 @@ def causal_lm_loss_spec(model: nn.Module) -> LossSpec | None:
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
     names = {n for v in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values() for n in ((v,) if isinstance(v, str) else v)}
-    causal = isinstance(model, tf.PreTrainedModel) and type(model).__name__ in names
+    # by class, and through the subclass FSDP2's fully_shard swaps in (FSDPGPT2LMHeadModel)
+    causal = isinstance(model, tf.PreTrainedModel) and any(c.__name__ in names for c in type(model).__mro__)
     return CrossEntropyLoss() if causal else None
 
 
