@@ -429,7 +429,11 @@ def test_your_datasets_training_targets_are_read_once_the_same_on_every_rank(mon
     assert torch.equal(dicts.training_targets(), fixtures.make_dict_dataset().y)  # type: ignore[arg-type]
     monkeypatch.setattr(dataset_module, "TARGETS_READ_LIMIT", 63)
     assert dicts.training_targets() is None  # 64 items, read one by one: beyond the limit
-    assert source.training_targets() is not None  # a TensorDataset's are read at once, whatever its size
+    assert torch.equal(source.training_targets(), ys[0])  # type: ignore[arg-type]  # a TensorDataset's at once
+    monkeypatch.setattr(dataset_module, "TARGET_VALUES_LIMIT", 40)  # past it, a seeded sample of rows
+    sampled = [r.training_targets() for r in ranks]
+    assert sampled[0] is not None and sampled[1] is not None and torch.equal(sampled[0], sampled[1])
+    assert len(sampled[0]) == 40 and {float(v) for v in sampled[0]} <= {float(v) for v in ys[0]}
 
 
 def _custom(factory: str) -> CustomModel:

@@ -8,6 +8,7 @@ with ``__len__`` and ``__getitem__``). Batch ``index`` is the collated items ``S
 
 from __future__ import annotations
 
+import random
 from collections.abc import Sequence
 from typing import Any
 
@@ -54,6 +55,9 @@ def _collate(items: list[Any], field: str) -> Batch:
 TARGETS_READ_LIMIT = 4096
 """The trivial loss of a dataset that is not a TensorDataset is measured only when its training split has at most
 this many items: their targets are read item by item (an item may be an image to decode), once per attempt."""
+TARGET_VALUES_LIMIT = 1 << 24
+"""A TensorDataset whose training targets hold more values than this (16M: 128 MB as int64 or float64) has its
+trivial loss measured on a seeded sample of rows that hold about this many: the measurement copies what it reads."""
 
 
 def _target_of(item: Any) -> Any:
@@ -150,15 +154,21 @@ class DatasetSource(DataSource):
             self.seq_len = int(inputs.shape[1]) if inputs.ndim == 3 else None
 
     def training_targets(self) -> Tensor | None:
-        """The training split's targets (``labels`` of dict items): a TensorDataset's at once, any other dataset's
-        read item by item up to ``TARGETS_READ_LIMIT`` items (None beyond it, or when an item has no targets)."""
+        """The training split's targets (``labels`` of dict items): a TensorDataset's at once (a seeded sample of its
+        rows past ``TARGET_VALUES_LIMIT`` values), any other dataset's read item by item up to ``TARGETS_READ_LIMIT``
+        items (None beyond it, or when an item has no targets)."""
         n = len(self.train_set)  # type: ignore[arg-type]
         base, rows = self.train_set, torch.arange(n)
         while isinstance(base, Subset):  # the split's rows of the dataset underneath, without a Python loop
             rows = torch.as_tensor(base.indices, dtype=torch.long)[rows]
             base = base.dataset
         if isinstance(base, TensorDataset) and len(base.tensors) == 2:
-            return base.tensors[1][rows]
+            column = base.tensors[1]
+            per_row = max(1, column[0].numel()) if len(column) else 1
+            if n * per_row > TARGET_VALUES_LIMIT:  # the same sample on every rank
+                keep = max(1, TARGET_VALUES_LIMIT // per_row)
+                rows = rows[sorted(random.Random(stream_seed("trivial-loss", self.seed)).sample(range(n), keep))]
+            return column[rows]
         if n > TARGETS_READ_LIMIT:
             return None
         try:  # a check on top of the run's own: an item that fails to read leaves it unknown, the attempt goes on
