@@ -60,6 +60,12 @@ TARGET_VALUES_LIMIT = 1 << 24
 trivial loss measured on a seeded sample of rows that hold about this many: the measurement copies what it reads."""
 
 
+def trivial_loss_rows(n: int, keep: int, seed: int) -> list[int]:
+    """A seeded sample of ``keep`` of ``range(n)``, sorted: the rows the trivial loss is measured on when there are
+    too many to read, the same on every rank."""
+    return sorted(random.Random(stream_seed("trivial-loss", seed)).sample(range(n), keep))
+
+
 def _target_of(item: Any) -> Any:
     """An item's targets: the second of an ``(inputs, targets)`` pair, a dict item's ``labels`` (None: neither)."""
     if isinstance(item, dict):
@@ -167,7 +173,7 @@ class DatasetSource(DataSource):
             per_row = max(1, column[0].numel()) if len(column) else 1
             if n * per_row > TARGET_VALUES_LIMIT:  # the same sample on every rank
                 keep = max(1, TARGET_VALUES_LIMIT // per_row)
-                rows = rows[sorted(random.Random(stream_seed("trivial-loss", self.seed)).sample(range(n), keep))]
+                rows = rows[trivial_loss_rows(n, keep, self.seed)]
             return column[rows]
         if n > TARGETS_READ_LIMIT:
             return None

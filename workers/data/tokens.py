@@ -9,7 +9,6 @@ causal LM shifts them itself) from the same seeded sampler as ``dataset`` data.
 
 from __future__ import annotations
 
-import random
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -20,8 +19,8 @@ from torch import Tensor
 from torch.utils.data import Dataset
 
 from contracts.recipe import TokensFileData
-from workers.data.base import SpecError, stream_seed
-from workers.data.dataset import TARGETS_READ_LIMIT, DatasetSource
+from workers.data.base import SpecError
+from workers.data.dataset import TARGETS_READ_LIMIT, DatasetSource, trivial_loss_rows
 
 
 class TokenWindows(Dataset[dict[str, Tensor]]):
@@ -111,6 +110,5 @@ class TokensFileSource(DatasetSource):
         windows = self.train_set
         assert isinstance(windows, TokenWindows)
         n = len(windows)
-        picks = range(n) if n <= TARGETS_READ_LIMIT else sorted(
-            random.Random(stream_seed("trivial-loss", self.seed)).sample(range(n), TARGETS_READ_LIMIT))
+        picks = range(n) if n <= TARGETS_READ_LIMIT else trivial_loss_rows(n, TARGETS_READ_LIMIT, self.seed)
         return torch.stack([windows[i]["labels"] for i in picks])
