@@ -54,13 +54,16 @@ time (the recipe's ``success`` section holds the tolerances):
 - **above the bar**: the final loss is above the user's ``max_final_loss``.
 
 Real progress is also judged against what learning nothing scores: a final loss no lower than the data's
-``trivial_loss`` (the best prediction that ignores the inputs: the targets' mean, or their frequencies; built-in
-data knows it, and on a user's dataset the trainer measures it on the training targets, where a floor is unknown
-and progress toward 0 would let a model that learned only the mean or the frequencies pass) is
-**never_learned** however far it fell from the initial loss, since an initialisation that blows the loss up (a
-deep net at a large init scale starts near 1e6 on unit-variance targets) makes any fall look like progress. Only
-at the end (early on, a healthy run may still be above it), and off with the other progress rules
-(``min_progress: 0``).
+``trivial_loss`` (the best prediction that ignores the inputs: the targets' mean, or their frequencies; built-in data
+knows it, and on a user's dataset the trainer measures it on the training targets, where a floor is unknown and
+progress toward 0 would let a model that learned only the mean or the frequencies pass) is **never_learned** however
+far it fell from the initial loss, since an initialisation that blows the loss up (a deep net at a large init scale
+starts near 1e6 on unit-variance targets) makes any fall look like progress. "No lower" allows for the noise
+(``TRIVIAL_MARGIN_SE`` standard errors of the final loss, measured on the ``window`` losses it is the mean of; not the
+loss detector's batch noise, which a blown-up start inflates): a model at the trivial loss ends below it half the time
+by chance, and where the trivial loss is itself measured on a sample of the targets (a large dataset), the estimate
+can sit above the true figure. Only at the end (early on, a healthy run may still be above it), and off with the other
+progress rules (``min_progress: 0``).
 
 The clean initial loss is the lower of the first finite loss of the lineage (measured before any update, so no
 blow-up can raise it) and the detector's mean of the first few losses: a blow-up in the first steps must not
@@ -86,6 +89,9 @@ ABOVE_BAR = "above_bar"
 EVAL_DEGRADED = "eval_degraded"
 OVERFITTING = "overfitting"
 VERDICT_KINDS = (VANISHING, NEVER_LEARNED, STALLED, COLLAPSED, DEGRADED, EVAL_DEGRADED, OVERFITTING, ABOVE_BAR)
+TRIVIAL_MARGIN_SE = 2.0
+"""A final loss this many of its standard errors (``Evidence.final_sem``) below the trivial loss is still no
+better than it (see the module docstring)."""
 COLLAPSE_BASELINE_STEPS = 5
 """The gradient-collapse rule's baseline: the median pre-clip gradient norm of a fresh start's first steps."""
 
@@ -140,6 +146,8 @@ class Evidence:
     noise_std: float = 0.0
     """Batch-to-batch standard deviation of the loss (the loss detector's estimate): the regression test allows
     one of it on top of the tolerance, since the best smoothed loss of a noisy loss is biased low."""
+    final_sem: float = 0.0
+    """The standard error of ``final_loss``: those losses' standard deviation ÷ √their number (0: fewer than two)."""
     vanishing: bool = False
     """The vanishing detector fired in this attempt."""
     start_step: int = 0
@@ -162,12 +170,23 @@ def final_loss(
     The steps in ``skipped`` are left out: their updates were discarded (a batch the grad-norm or loss detector
     judged abnormal), so their loss is the batch's, not the model's, and one poisoned batch near the end would
     otherwise make a healthy end look degraded."""
+    tail = _final_window(losses, window, start_step, skipped)
+    return sum(tail) / len(tail) if tail else None
+
+
+def final_sem(
+    losses: Sequence[float], window: int, *, start_step: int = 0, skipped: Collection[int] = ()
+) -> float:
+    """The standard error of ``final_loss`` over the same losses (0 with fewer than two): how far below a figure
+    the final loss may sit by chance alone."""
+    tail = _final_window(losses, window, start_step, skipped)
+    return statistics.stdev(tail) / math.sqrt(len(tail)) if len(tail) > 1 else 0.0
+
+
+def _final_window(losses: Sequence[float], window: int, start_step: int, skipped: Collection[int]) -> list[float]:
     skip = set(skipped)
     finite = [x for i, x in enumerate(losses) if math.isfinite(x) and start_step + i not in skip]
-    if not finite:
-        return None
-    tail = finite[-window:]
-    return sum(tail) / len(tail)
+    return finite[-window:]
 
 
 def progress(value: float, initial: float | None, floor: float | None) -> float | None:
@@ -386,6 +405,24 @@ def _threshold(ev: Evidence, share: float) -> float | None:
     return ev.initial_loss - share * (ev.initial_loss - target)
 
 
+def _no_better_than_trivial(cfg: Success, ev: Evidence, final: float) -> Verdict | None:
+    """``never_learned`` (or vanishing) when the final loss is no better than the trivial loss, within the noise;
+    None otherwise, or when the trivial loss is unknown or the progress rules are off."""
+    if ev.trivial_loss is None or cfg.min_progress == 0.0:
+        return None
+    margin = TRIVIAL_MARGIN_SE * ev.final_sem
+    if final < ev.trivial_loss - margin:
+        return None
+    what = (f"the final loss {_fmt(final)} is no better than {_fmt(ev.trivial_loss)}, the loss of a prediction "
+            "that ignores the inputs")
+    if final < ev.trivial_loss:
+        what += f" (within the noise: {TRIVIAL_MARGIN_SE:g} standard errors of the final loss, {_fmt(margin)})"
+    if ev.vanishing:
+        return _vanishing_verdict(what, value=final, threshold=ev.trivial_loss, onset=ev.start_step)
+    return Verdict(NEVER_LEARNED, f"never learned: {what} (its fall from the initial {_fmt(ev.initial_loss)} "
+                   "learned nothing from them)", value=final, threshold=ev.trivial_loss, onset_step=ev.start_step)
+
+
 def judge_end(cfg: Success, ev: Evidence, *, step: int | None = None, stall_patience: int | None = None) -> Verdict:
     """The verdict on an attempt that reached its last step (rules in the module docstring, in that order); the
     stall rule over the whole lineage (``judge_stall(at_end=True)``) when ``step`` and ``stall_patience`` are
@@ -404,13 +441,9 @@ def judge_end(cfg: Success, ev: Evidence, *, step: int | None = None, stall_pati
             f"{_fmt(ev.initial_loss)} to {_way(ev)[1]} (needs {cfg.min_progress:.0%})",
             value=final, threshold=_threshold(ev, cfg.min_progress), onset_step=ev.start_step,
         )
-    if ev.trivial_loss is not None and cfg.min_progress > 0.0 and final >= ev.trivial_loss:
-        what = (f"the final loss {_fmt(final)} is no better than {_fmt(ev.trivial_loss)}, the loss of a prediction "
-                "that ignores the inputs")
-        if ev.vanishing:
-            return _vanishing_verdict(what, value=final, threshold=ev.trivial_loss, onset=ev.start_step)
-        return Verdict(NEVER_LEARNED, f"never learned: {what} (its fall from the initial {_fmt(ev.initial_loss)} "
-                       "learned nothing from them)", value=final, threshold=ev.trivial_loss, onset_step=ev.start_step)
+    trivial = _no_better_than_trivial(cfg, ev, final)
+    if trivial is not None:
+        return trivial
     if step is not None and stall_patience is not None:
         stalled = judge_stall(cfg, ev, step=step, patience=stall_patience, at_end=True)
         if not stalled.healthy:

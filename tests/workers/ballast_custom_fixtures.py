@@ -159,3 +159,30 @@ def make_noisy_labels(n: int = 8192, dim: int = 16) -> torch.utils.data.TensorDa
     x = torch.randn(n, dim, generator=g)
     p = torch.sigmoid(x @ (torch.randn(dim, generator=g) / dim**0.5))
     return torch.utils.data.TensorDataset(x, (torch.rand(n, generator=g) < p).long())
+
+
+class UnrelatedPairs(torch.utils.data.Dataset):  # type: ignore[type-arg]
+    """``(features, label)`` items read one by one (not a TensorDataset), the labels drawn independently of the
+    features, ``major`` of them class 0: more items than the trivial loss reads, so it reads a sample."""
+
+    def __init__(self, n: int, dim: int, major: float) -> None:
+        g = torch.Generator().manual_seed(23)
+        self.x = torch.randn(n, dim, generator=g)
+        self.y = (torch.rand(n, generator=g) > major).long()
+
+    def __len__(self) -> int:
+        return len(self.x)
+
+    def __getitem__(self, i: int) -> tuple[Tensor, Tensor]:
+        return self.x[i], self.y[i]
+
+
+def make_unrelated_pairs(n: int = 6000, dim: int = 8, major: float = 0.9) -> UnrelatedPairs:
+    return UnrelatedPairs(n, dim, major)
+
+
+def make_unrelated_batch(index: int, batch_size: int, seed: int, dim: int = 8,
+                         major: float = 0.9) -> tuple[Tensor, Tensor]:
+    """Custom data like ``make_unrelated_labels``: labels drawn independently of the features, per batch."""
+    g = torch.Generator().manual_seed(seed + 7919 * index)
+    return torch.randn(batch_size, dim, generator=g), (torch.rand(batch_size, generator=g) > major).long()

@@ -11,6 +11,7 @@ import copy
 import json
 import math
 import os
+import re
 import sys
 from pathlib import Path
 from typing import Any
@@ -24,6 +25,7 @@ from torch import Tensor, nn
 from contracts.recipe import (
     BatchScaleFault,
     CrossEntropyLoss,
+    CustomData,
     CustomLoss,
     CustomModel,
     DatasetData,
@@ -46,8 +48,8 @@ from tests.workers import ballast_custom_fixtures as fixtures
 from workers.checkpoint import load_checkpoint
 from workers.context import WorkerContext
 from workers.data import DatasetSource, SeededSampler, SpecError, build_data
+from workers.data import custom as custom_module
 from workers.data import dataset as dataset_module
-from workers.data import tokens as tokens_module
 from workers.entry import run_attempt
 from workers.faults import FaultInjector
 from workers.models import build_model, find_blocks, model_blocks, param_block_index, set_activation_checkpointing
@@ -414,7 +416,8 @@ def test_trivial_loss_is_unknown_where_it_cannot_be_worked_out() -> None:
 
 def test_your_datasets_training_targets_are_read_once_the_same_on_every_rank(monkeypatch: pytest.MonkeyPatch) -> None:
     """A TensorDataset's training targets are the training split's (the held-out items left out), the same on
-    every rank; another dataset's are read item by item up to ``TARGETS_READ_LIMIT`` items, and beyond it unknown."""
+    every rank; another dataset's are read item by item, all of them up to ``TARGETS_READ_LIMIT`` items and a
+    seeded sample of that many beyond it, the same on every rank."""
     spec = DatasetData.model_validate({"factory": f"{FIX}:make_regression_dataset", "eval_fraction": 0.25},
                                       context={"allowed_import_modules": ALLOWED})
     ranks = [build_data(spec, seed=0, batch_size=4, rank=r, world_size=2, allowed_import_modules=ALLOWED)
@@ -427,8 +430,14 @@ def test_your_datasets_training_targets_are_read_once_the_same_on_every_rank(mon
     assert len(ys[0]) == 96 and not held_out & {float(v) for v in ys[0]}
     dicts = _dataset(f"{FIX}:make_dict_dataset", eval_fraction=0.0)
     assert torch.equal(dicts.training_targets(), fixtures.make_dict_dataset().y)  # type: ignore[arg-type]
-    monkeypatch.setattr(dataset_module, "TARGETS_READ_LIMIT", 63)
-    assert dicts.training_targets() is None  # 64 items, read one by one: beyond the limit
+    monkeypatch.setattr(dataset_module, "TARGETS_READ_LIMIT", 40)  # 64 items, read one by one: beyond the limit
+    dict_spec = DatasetData.model_validate({"factory": f"{FIX}:make_dict_dataset", "eval_fraction": 0.0},
+                                           context={"allowed_import_modules": ALLOWED})
+    samples = [build_data(dict_spec, seed=0, batch_size=4, rank=r, world_size=2,
+                          allowed_import_modules=ALLOWED).training_targets() for r in (0, 1)]
+    assert samples[0] is not None and samples[1] is not None and torch.equal(samples[0], samples[1])
+    rows = dataset_module.trivial_loss_rows(64, 40, seed=0)
+    assert len(set(rows)) == 40 and torch.equal(samples[0], fixtures.make_dict_dataset().y[rows])
     assert torch.equal(source.training_targets(), ys[0])  # type: ignore[arg-type]  # a TensorDataset's at once
     monkeypatch.setattr(dataset_module, "TARGET_VALUES_LIMIT", 40)  # past it, a seeded sample of rows
     sampled = [r.training_targets() for r in ranks]
@@ -721,13 +730,60 @@ def test_a_token_files_training_targets_are_its_training_windows_or_a_seeded_sam
     whole = build_data(spec, seed=0, batch_size=4).training_targets()
     tokens = torch.as_tensor(np.load(path).astype(np.int64))
     assert whole is not None and torch.equal(whole, tokens[: 192 * 16].reshape(192, 16))  # 256 windows, 64 held out
-    monkeypatch.setattr(tokens_module, "TARGETS_READ_LIMIT", 50)
+    monkeypatch.setattr(dataset_module, "TARGETS_READ_LIMIT", 50)
     ranks = [build_data(spec, seed=0, batch_size=4, rank=r, world_size=2).training_targets() for r in (0, 1)]
     assert ranks[0] is not None and ranks[1] is not None and torch.equal(ranks[0], ranks[1])
     assert ranks[0].shape == (50, 16) and {tuple(row) for row in ranks[0].tolist()} <= set(map(tuple, whole.tolist()))
     gpt = build_model(HFCausalLMModel(config=GPT2), seed=0)
     measured, exact = Objective(gpt, ModelLoss()).trivial_loss(ranks[0]), trivial_loss(CrossEntropyLoss(), whole)
     assert measured is not None and exact is not None and measured == pytest.approx(exact, abs=0.1)
+
+
+def test_a_custom_factorys_training_targets_are_rank_zeros_first_batches(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A ``custom`` factory's batches are per rank: every rank reads rank 0's first training batches (the factory
+    called with rank 0's seed), so all measure the same targets, up to ``TARGETS_READ_LIMIT`` rows or
+    ``TARGET_BATCHES_LIMIT`` batches."""
+    spec = CustomData.model_validate({"factory": f"{FIX}:make_batch"}, context={"allowed_import_modules": ALLOWED})
+    ranks = [build_data(spec, seed=3, batch_size=5, rank=r, world_size=2, allowed_import_modules=ALLOWED)
+             for r in (0, 1)]
+    assert not torch.equal(ranks[0].batch(0)[1], ranks[1].batch(0)[1])  # type: ignore[index]
+    monkeypatch.setattr(custom_module, "TARGETS_READ_LIMIT", 12)  # 3 batches of 5 reach it
+    targets = [r.training_targets() for r in ranks]
+    first = torch.cat([ranks[0].batch(i)[1] for i in range(3)])  # type: ignore[index]
+    assert targets[0] is not None and targets[1] is not None
+    assert torch.equal(targets[0], first) and torch.equal(targets[1], first)
+    monkeypatch.setattr(custom_module, "TARGET_BATCHES_LIMIT", 2)
+    assert torch.equal(ranks[1].training_targets(), first[:10])  # type: ignore[arg-type]
+
+
+UNRELATED_DATA = {
+    "a Dataset larger than the targets read (a seeded sample)": {
+        "name": "dataset", "factory": f"{FIX}:make_unrelated_pairs", "params": {}, "eval_fraction": 0.0},
+    "a custom batch factory (its first batches)": {
+        "name": "custom", "factory": f"{FIX}:make_unrelated_batch", "params": {}},
+}
+
+
+@pytest.mark.parametrize("data", list(UNRELATED_DATA.values()), ids=list(UNRELATED_DATA))
+def test_where_the_targets_are_read_in_part_nothing_learned_is_still_never_learned(
+        tmp_path: Path, data: dict[str, Any]) -> None:
+    """The trivial loss of data that is read item by item or batch by batch is measured on part of it: a Dataset
+    of more items than ``TARGETS_READ_LIMIT`` on a seeded sample, a custom factory on its first batches. Before,
+    both were unknown, the way ran to 0, and the classifier that learned only the labels' frequencies (a third of
+    the way from ~0.6 to 0) ended SUCCEEDED. The sampled figure is within sampling error of the exact one (the
+    label-smoothed frequencies' entropy, 10% of the labels class 1)."""
+    recipe = make_recipe(
+        model={"params": {"in_features": 8, "hidden": 16, "classes": 2, "depth": 2}}, data=data,
+        loss={"name": "cross_entropy"}, training={"max_steps": 80, "batch_size": 32, "seed": 0},
+        success={"min_progress": 0.25, "early_min_progress": 0.05},
+    )
+    res = run(recipe, tmp_path)
+    assert res.detector == "never_learned" and "ignores the inputs" in res.reason, res.reason
+    smoothing = recipe.loss.label_smoothing
+    q = (1 - smoothing) * 0.1 + smoothing / 2
+    entropy = -(q * math.log(q) + (1 - q) * math.log(1 - q))
+    measured = float(re.search(r"no better than ([0-9.]+),", res.reason).group(1))  # type: ignore[union-attr]
+    assert measured == pytest.approx(entropy, abs=0.02)
 
 
 def test_a_sharded_causal_lm_keeps_its_own_loss_for_the_trivial_loss() -> None:

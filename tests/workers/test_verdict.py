@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any
 
 import pytest
@@ -26,6 +27,7 @@ from workers.verdict import (
     collapse_window,
     early_check_step,
     final_loss,
+    final_sem,
     judge_collapse,
     judge_end,
     judge_eval,
@@ -41,10 +43,11 @@ CFG = Success()
 
 def ev(final: float | None, *, best: float | None = 1.6, best_step: int | None = 250, initial: float | None = 4.2,
        floor: float | None = 1.39, noise: float = 0.0, vanishing: bool = False, start: int = 0,
-       since: int | None = None, trivial: float | None = None, stalled: tuple[int, int] = (0, 0)) -> Evidence:
+       since: int | None = None, trivial: float | None = None, stalled: tuple[int, int] = (0, 0),
+       sem: float = 0.0) -> Evidence:
     return Evidence(final_loss=final, best_loss=best, best_step=best_step, initial_loss=initial, loss_floor=floor,
                     noise_std=noise, vanishing=vanishing, start_step=start, progress_step=since,
-                    trivial_loss=trivial, stalled_for=stalled[0], stalled_from=stalled[1])
+                    trivial_loss=trivial, stalled_for=stalled[0], stalled_from=stalled[1], final_sem=sem)
 
 
 @pytest.mark.parametrize(
@@ -74,6 +77,14 @@ def ev(final: float | None, *, best: float | None = 1.6, best_step: int | None =
         (ev(0.67, best=0.67, initial=0.68, floor=None, trivial=0.69), None, None),  # started below it: it beat it
         (ev(30.0, best=29.0, initial=100.0, floor=None, trivial=1.0), NEVER_LEARNED, 0),  # targets' mean far from 0
         (ev(80.0, best=79.0, initial=100.0, floor=None, trivial=1.0), NEVER_LEARNED, 0),  # 20% of the way to 1
+        # below it by less than the noise (2 standard errors of the final loss, 0.0224 each): a model at the
+        # frequencies' entropy ends below it half the time by chance; beyond the noise it learned something
+        (ev(0.40, best=0.40, initial=0.7, floor=None, trivial=0.41, sem=0.0224), NEVER_LEARNED, 0),
+        (ev(0.3653, best=0.36, initial=0.7, floor=None, trivial=0.41, sem=0.0224), NEVER_LEARNED, 0),
+        (ev(0.3647, best=0.36, initial=0.7, floor=None, trivial=0.41, sem=0.0224), None, None),
+        (ev(0.40, best=0.40, initial=0.7, floor=None, trivial=0.41), None, None),  # no noise measured: below it
+        # the loss detector's batch noise (inflated by a blown-up start) is not the final loss's: it learned
+        (ev(0.05, best=0.05, initial=40.0, floor=None, trivial=1.0, noise=10.0, sem=0.002), None, None),
     ],
 )
 def test_judge_end(evidence: Evidence, kind: str | None, onset: int | None) -> None:
@@ -99,6 +110,21 @@ def test_a_loss_no_better_than_ignoring_the_inputs_names_both_numbers() -> None:
     v = judge_end(CFG, ev(4.1e4, best=4.0e4, initial=1.5e6, floor=1e-4, trivial=1.0, vanishing=True))
     assert v.reason.startswith("vanishing gradients: the final loss 4.1e+04 is no better than 1,")
     assert "cannot fix vanishing gradients" in v.reason and v.threshold == 1.0
+
+
+def test_a_loss_below_ignoring_the_inputs_by_less_than_the_noise_says_so() -> None:
+    v = judge_end(CFG, ev(0.40, best=0.40, initial=0.7, floor=None, trivial=0.41, sem=0.0224))
+    assert "the final loss 0.4 is no better than 0.41," in v.reason, v.reason
+    assert "within the noise: 2 standard errors of the final loss, 0.0448" in v.reason, v.reason
+    assert "within the noise" not in judge_end(CFG, ev(0.42, best=0.40, initial=0.7, floor=None, trivial=0.41,
+                                                       sem=0.0224)).reason
+
+
+def test_the_final_losss_standard_error_is_over_the_same_losses_as_the_final_loss() -> None:
+    losses = [9.0, float("nan"), 1.0, 3.0, 100.0, 5.0]  # step 104 skipped; NaN left out
+    assert final_loss(losses, 3, start_step=100, skipped=[104]) == pytest.approx(3.0)
+    assert final_sem(losses, 3, start_step=100, skipped=[104]) == pytest.approx(2.0 / math.sqrt(3))
+    assert final_sem([1.0], 20) == 0.0 and final_sem([], 20) == 0.0
 
 
 def test_the_reason_names_the_way_it_measured() -> None:

@@ -102,6 +102,12 @@ def _spec_key(spec: Any) -> str:
     return json.dumps(dumped, sort_keys=True, separators=(",", ":"))
 
 
+TARGETS_READ_LIMIT = 4096
+"""The trivial loss of data whose targets are read item by item or batch by batch (an item may be an image to
+decode, a batch a file to read) is measured on at most this many items: all of them, or a seeded sample, once per
+attempt (``DataSource.training_targets``)."""
+
+
 # ---------------------------------------------------------------------------------------------- the source
 class DataSource(ABC):
     """One rank's view of a data set: ``batch(index)`` for training, ``eval_batch(index)`` held out.
@@ -143,9 +149,8 @@ class DataSource(ABC):
         self._key = _spec_key(spec)
 
     def training_targets(self) -> Tensor | None:
-        """All the training targets, the same on every rank, where they can be read whole at little cost: the
-        trainer measures the trivial loss on them when the source does not know it. None here (synthetic data
-        knows its trivial loss; a custom factory's batches are per rank)."""
+        """The training targets, or a fair sample of them, the same on every rank: the trainer measures the trivial
+        loss on them when the source does not know it. None here (synthetic data knows its trivial loss)."""
         return None
 
     def _generator(self, stream: str, index: int) -> torch.Generator:

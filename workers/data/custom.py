@@ -8,7 +8,10 @@ import torch
 from torch import Tensor
 
 from contracts.recipe import CustomData
-from workers.data.base import DataSource, SpecError, resolve_import, stream_seed
+from workers.data.base import TARGETS_READ_LIMIT, DataSource, SpecError, resolve_import, stream_seed
+
+TARGET_BATCHES_LIMIT = 64
+"""At most this many batches are read for the trivial loss (``CustomSource.training_targets``)."""
 
 
 # ------------------------------------------------------------------------------------------------- custom
@@ -45,8 +48,26 @@ class CustomSource(DataSource):
             self.output_dim = int(targets.shape[-1]) if targets.ndim == inputs.ndim else 1
             self.seq_len = int(inputs.shape[1]) if inputs.ndim == 3 else None
 
-    def _make(self, gen: torch.Generator, index: int, stream: str) -> tuple[Tensor, Tensor]:
-        seed = stream_seed(self._key, self.seed, self.rank, stream, "custom")
+    def training_targets(self) -> Tensor | None:
+        """The targets of rank 0's first training batches, up to ``TARGETS_READ_LIMIT`` rows and
+        ``TARGET_BATCHES_LIMIT`` batches: every rank calls the factory with rank 0's seed, so all measure the same
+        rows (a factory is a pure function of its arguments). The first batches stand for the stream as a
+        Dataset's seeded sample does for its items; None when their shapes do not stack."""
+        parts: list[Tensor] = []
+        rows = 0
+        for index in range(TARGET_BATCHES_LIMIT):
+            if rows >= TARGETS_READ_LIMIT:
+                break
+            targets = self._make(self._generator("train", index), index, "train", rank=0)[1]
+            parts.append(targets)
+            rows += len(targets)
+        try:
+            return torch.cat(parts)
+        except RuntimeError:  # batches of different shapes (variable sequence lengths): unknown
+            return None
+
+    def _make(self, gen: torch.Generator, index: int, stream: str, rank: int | None = None) -> tuple[Tensor, Tensor]:
+        seed = stream_seed(self._key, self.seed, self.rank if rank is None else rank, stream, "custom")
         try:
             out = self._factory(index, self.batch_size, seed, **self._params)
         except Exception as exc:

@@ -17,7 +17,7 @@ from torch import Tensor
 from torch.utils.data import Dataset, Subset, TensorDataset, default_collate
 
 from contracts.recipe import DatasetData
-from workers.data.base import DataKind, DataSource, SpecError, resolve_import, stream_seed
+from workers.data.base import TARGETS_READ_LIMIT, DataKind, DataSource, SpecError, resolve_import, stream_seed
 from workers.data.batch import Batch
 from workers.data.sampler import SeededSampler
 
@@ -52,9 +52,6 @@ def _collate(items: list[Any], field: str) -> Batch:
     raise SpecError(f"{field}: dataset items must be (inputs, targets) pairs or dicts of tensors, got {desc}")
 
 
-TARGETS_READ_LIMIT = 4096
-"""The trivial loss of a dataset that is not a TensorDataset is measured only when its training split has at most
-this many items: their targets are read item by item (an item may be an image to decode), once per attempt."""
 TARGET_VALUES_LIMIT = 1 << 24
 """A TensorDataset whose training targets hold more values than this (16M: 128 MB as int64 or float64) has its
 trivial loss measured on a seeded sample of rows that hold about this many: the measurement copies what it reads."""
@@ -160,9 +157,9 @@ class DatasetSource(DataSource):
             self.seq_len = int(inputs.shape[1]) if inputs.ndim == 3 else None
 
     def training_targets(self) -> Tensor | None:
-        """The training split's targets (``labels`` of dict items): a TensorDataset's at once (a seeded sample of its
-        rows past ``TARGET_VALUES_LIMIT`` values), any other dataset's read item by item up to ``TARGETS_READ_LIMIT``
-        items (None beyond it, or when an item has no targets)."""
+        """The training split's targets (``labels`` of dict items), the same on every rank: a TensorDataset's at once
+        (a seeded sample of its rows past ``TARGET_VALUES_LIMIT`` values); any other dataset's read item by item,
+        all of them or a seeded sample of ``TARGETS_READ_LIMIT`` items (None when an item has no targets)."""
         n = len(self.train_set)  # type: ignore[arg-type]
         base, rows = self.train_set, torch.arange(n)
         while isinstance(base, Subset):  # the split's rows of the dataset underneath, without a Python loop
@@ -175,10 +172,9 @@ class DatasetSource(DataSource):
                 keep = max(1, TARGET_VALUES_LIMIT // per_row)
                 rows = rows[trivial_loss_rows(n, keep, self.seed)]
             return column[rows]
-        if n > TARGETS_READ_LIMIT:
-            return None
+        picks = range(n) if n <= TARGETS_READ_LIMIT else trivial_loss_rows(n, TARGETS_READ_LIMIT, self.seed)
         try:  # a check on top of the run's own: an item that fails to read leaves it unknown, the attempt goes on
-            targets = [_target_of(self.train_set[i]) for i in range(n)]
+            targets = [_target_of(self.train_set[i]) for i in picks]
             if any(t is None for t in targets):
                 return None
             stacked = default_collate(targets)

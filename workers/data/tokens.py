@@ -20,7 +20,7 @@ from torch.utils.data import Dataset
 
 from contracts.recipe import TokensFileData
 from workers.data.base import SpecError
-from workers.data.dataset import TARGETS_READ_LIMIT, DatasetSource, trivial_loss_rows
+from workers.data.dataset import DatasetSource
 
 
 class TokenWindows(Dataset[dict[str, Tensor]]):
@@ -102,13 +102,3 @@ class TokensFileSource(DatasetSource):
         self.kind = "tokens"
         self.seq_len = spec.seq_len
         self.vocab_size = vocab if vocab is not None else int(np.max(tokens)) + 1
-
-    def training_targets(self) -> Tensor | None:
-        """The labels of the training windows: all of them, or of a seeded sample of ``TARGETS_READ_LIMIT`` windows
-        of a larger file (millions of tokens: their frequencies, all the trivial loss reads, barely move), the
-        same on every rank."""
-        windows = self.train_set
-        assert isinstance(windows, TokenWindows)
-        n = len(windows)
-        picks = range(n) if n <= TARGETS_READ_LIMIT else trivial_loss_rows(n, TARGETS_READ_LIMIT, self.seed)
-        return torch.stack([windows[i]["labels"] for i in picks])
