@@ -71,6 +71,13 @@ def make_batch(index: int, batch_size: int, seed: int, dim: int = 3) -> tuple[Te
     return x, x.sum(1, keepdim=True)
 
 
+def make_two_batches(index: int, batch_size: int, seed: int) -> tuple[Tensor, Tensor]:
+    """Custom data with only two batches: a run of two steps never asks for a third."""
+    if index >= 2:
+        raise IndexError(f"no batch {index}")
+    return make_batch(index, batch_size, seed)
+
+
 def make_bad_batch(index: int, batch_size: int, seed: int) -> Tensor:
     """Breaks the data contract: one tensor instead of (inputs, targets)."""
     return torch.zeros(batch_size, 3)

@@ -754,6 +754,11 @@ def test_a_custom_factorys_training_targets_are_rank_zeros_first_batches(monkeyp
     assert torch.equal(targets[0], first) and torch.equal(targets[1], first)
     monkeypatch.setattr(custom_module, "TARGET_BATCHES_LIMIT", 2)
     assert torch.equal(ranks[1].training_targets(), first[:10])  # type: ignore[arg-type]
+    short = CustomData.model_validate({"factory": f"{FIX}:make_two_batches"},
+                                      context={"allowed_import_modules": ALLOWED})
+    monkeypatch.setattr(custom_module, "TARGET_BATCHES_LIMIT", 64)
+    two = build_data(short, seed=3, batch_size=5, allowed_import_modules=ALLOWED)
+    assert torch.equal(two.training_targets(), torch.cat([two.batch(0)[1], two.batch(1)[1]]))  # type: ignore[arg-type,index]
 
 
 UNRELATED_DATA = {

@@ -52,17 +52,21 @@ class CustomSource(DataSource):
         """The targets of rank 0's first training batches, up to ``TARGETS_READ_LIMIT`` rows and
         ``TARGET_BATCHES_LIMIT`` batches: every rank calls the factory with rank 0's seed, so all measure the same
         rows (a factory is a pure function of its arguments). The first batches stand for the stream as a
-        Dataset's seeded sample does for its items; None when their shapes do not stack."""
+        Dataset's seeded sample does for its items. A batch the factory cannot make ends the reading (a short run
+        may never ask for it); None when none was read or their shapes do not stack."""
         parts: list[Tensor] = []
         rows = 0
         for index in range(TARGET_BATCHES_LIMIT):
             if rows >= TARGETS_READ_LIMIT:
                 break
-            targets = self._make(self._generator("train", index), index, "train", rank=0)[1]
+            try:
+                targets = self._make(self._generator("train", index), index, "train", rank=0)[1]
+            except SpecError:
+                break
             parts.append(targets)
             rows += len(targets)
         try:
-            return torch.cat(parts)
+            return torch.cat(parts) if parts else None
         except RuntimeError:  # batches of different shapes (variable sequence lengths): unknown
             return None
 
