@@ -12,7 +12,11 @@ third to fifth (``SCENARIOS_2026_12_06``, ``..._06B``, ``..._06C``, the same sha
 ``--set 2026-12-06g`` the sixth to ninth (eight unstable, three controls each), ``--set 2026-12-07`` the tenth
 (seven unstable, three controls), ``--set 2026-12-07b`` the eleventh (eight warmups to too-high peaks, two
 controls), ``--set 2026-12-07c`` the twelfth (your own models, datasets and losses: seven unstable, one that
-overfits, one with nothing to learn, two controls); their names are also accepted one by one.
+overfits, one with nothing to learn, two controls), ``--set 2026-12-07d`` the thirteenth (your own data read batch
+by batch, a large lazy dataset, sequences, images: six unstable, two with nothing to learn, three controls),
+``--set 2026-12-07e`` the fourteenth (the recipe's other settings on your own code: fp16, per-layer, adaptive and
+z-score clipping, Nesterov, linear and constant schedules, accumulation, an eval series: eight unstable, three
+controls); their names are also accepted one by one.
 """
 
 from __future__ import annotations
@@ -436,6 +440,87 @@ SCENARIOS_2026_12_07C: dict[str, tuple[dict[str, Any], float]] = {
                                              {"name": "adamw", "lr": 0.001}), 0.001),
     "control-own-keyed-dict": (_own("keyed_net", {}, "keyed", {}, CE, {"name": "adam", "lr": 0.003}), 0.003),
 }
+
+
+def _own_batches(model: str, params: dict[str, Any], factory: str, loss: dict[str, Any], optimizer: dict[str, Any],
+                 *, warmup: int = 0) -> dict[str, Any]:
+    """A recipe on your own model and a ``custom`` batch factory (``user_code.py``), 32 samples per batch."""
+    doc = _own(model, params, "unused", {}, loss, optimizer, warmup=warmup)
+    doc["data"] = {"name": "custom", "factory": f"{USER}:{factory}", "params": {}}
+    return doc
+
+
+def _with(doc: dict[str, Any], **sections: dict[str, Any]) -> dict[str, Any]:
+    return deep_merge(doc, sections)
+
+
+SCENARIOS_2026_12_07D: dict[str, tuple[dict[str, Any], float]] = {
+    # written on 2026-12-07 (a fourth set that day), after the trivial loss of data read batch by batch and of
+    # large datasets: custom batch factories, a large dataset whose items are made when read, an LSTM on
+    # sequences, a CNN on images, gradient accumulation, bf16. Every scenario and reference LR was written before
+    # any of them ran
+    "own-lstm-running-mean-adam-high": (_own_batches("seq_lstm", {}, "running_mean_batch", MSE,
+                                                     {"name": "adam", "lr": 0.1}), 0.003),
+    "own-mlp-smooth-batches-sgd-momentum-high": (_own_batches("mlp", {"in_features": 8}, "smooth_regression_batch",
+                                                              MSE, {"name": "sgd", "lr": 0.5, "momentum": 0.9}),
+                                                 0.01),
+    "own-lazy-pairs-adamw-high": (_own("mlp", {"out": 5}, "lazy_pairs", {}, CE, {"name": "adamw", "lr": 0.1}),
+                                  0.002),
+    "own-cnn-blobs-adam-high": (_own("small_cnn", {}, "blob_images", {}, CE, {"name": "adam", "lr": 0.05}), 0.001),
+    "own-residual-accum4-adamw-high": (_with(_own("residual_mlp", {}, "offset_regression", {}, MSE,
+                                                  {"name": "adamw", "lr": 0.05}),
+                                             training={"grad_accum_steps": 4, "batch_size": 8}), 0.001),
+    "own-mlp-bf16-adam-high": (_with(_own("mlp", {"out": 4}, "imbalanced_classes", {}, CE,
+                                          {"name": "adam", "lr": 0.05}), precision={"dtype": "bf16"}), 0.001),
+    # nothing to learn, read batch by batch and from a large lazy dataset: never_learned, not SUCCEEDED
+    "own-coin-batches": (_own_batches("mlp", {"in_features": 8, "out": 2}, "coin_batch", CE,
+                                      {"name": "adam", "lr": 0.001}), 0.0003),
+    "own-lazy-pairs-unrelated": (_own("mlp", {"out": 5}, "lazy_pairs", {"related": False}, CE,
+                                      {"name": "adam", "lr": 0.001}), 0.0003),
+    # healthy controls: the reference is the run itself; ballast should leave them alone (1 attempt)
+    "control-own-lstm-running-mean": (_own_batches("seq_lstm", {}, "running_mean_batch", MSE,
+                                                   {"name": "adam", "lr": 0.003}), 0.003),
+    "control-own-cnn-blobs": (_own("small_cnn", {}, "blob_images", {}, CE, {"name": "adam", "lr": 0.001}), 0.001),
+    "control-own-lazy-pairs": (_own("mlp", {"out": 5}, "lazy_pairs", {}, CE, {"name": "adamw", "lr": 0.002}),
+                               0.002),
+}
+SCENARIOS_2026_12_07E: dict[str, tuple[dict[str, Any], float]] = {
+    # written on 2026-12-07 (a fifth set that day) to exercise the recipe's other settings on your own code: fp16
+    # with dynamic loss scaling, per-layer, adaptive and z-score clipping, Nesterov SGD, linear and constant
+    # schedules, gradient accumulation in fp16, an eval series. Every scenario and reference LR was written
+    # before any of them ran
+    "own-cnn-fp16-adam-high": (_with(_own("small_cnn", {}, "blob_images", {}, CE, {"name": "adam", "lr": 0.05}),
+                                     precision={"dtype": "fp16"}), 0.001),
+    "own-lstm-per-layer-clip-sgd-high": (_with(_own_batches("seq_lstm", {}, "running_mean_batch", MSE,
+                                                            {"name": "sgd", "lr": 2.0, "momentum": 0.9}),
+                                               clipping={"method": "per_layer", "max_norm": 1.0}), 0.05),
+    "own-residual-adaptive-clip-adamw-high": (_with(_own("residual_mlp", {}, "offset_regression", {}, MSE,
+                                                         {"name": "adamw", "lr": 0.08}),
+                                                    clipping={"method": "adaptive"}), 0.001),
+    "own-lazy-pairs-nesterov-linear-high": (_with(_own("mlp", {"out": 5}, "lazy_pairs", {}, CE,
+                                                       {"name": "sgd", "lr": 3.0, "momentum": 0.9, "nesterov": True}),
+                                                  schedule={"decay": "linear"}), 0.05),
+    "own-keyed-dict-zscore-clip-adam-high": (_with(_own("keyed_net", {}, "keyed", {}, CE,
+                                                        {"name": "adam", "lr": 0.2}),
+                                                   clipping={"method": "zscore"}), 0.003),
+    "own-mlp-accum8-fp16-adamw-high": (_with(_own("mlp", {"out": 4}, "imbalanced_classes", {}, CE,
+                                                  {"name": "adamw", "lr": 0.08}),
+                                             training={"grad_accum_steps": 8, "batch_size": 4},
+                                             precision={"dtype": "fp16"}), 0.001),
+    "own-cnn-eval-adam-high": (_with(_own("small_cnn", {}, "blob_images", {}, CE, {"name": "adam", "lr": 0.03}),
+                                     training={"eval_interval": 25}, data={"eval_fraction": 0.2}), 0.001),
+    "own-lstm-constant-lr-adam-high": (_with(_own_batches("seq_lstm", {}, "running_mean_batch", MSE,
+                                                          {"name": "adam", "lr": 0.03}, warmup=10),
+                                             schedule={"decay": "constant"}), 0.003),
+    # healthy controls: the reference is the run itself; ballast should leave them alone (1 attempt)
+    "control-own-cnn-fp16": (_with(_own("small_cnn", {}, "blob_images", {}, CE, {"name": "adam", "lr": 0.001}),
+                                   precision={"dtype": "fp16"}), 0.001),
+    "control-own-residual-adaptive-clip": (_with(_own("residual_mlp", {}, "offset_regression", {}, MSE,
+                                                      {"name": "adamw", "lr": 0.001}),
+                                                 clipping={"method": "adaptive"}), 0.001),
+    "control-own-keyed-zscore-clip": (_with(_own("keyed_net", {}, "keyed", {}, CE, {"name": "adam", "lr": 0.003}),
+                                            clipping={"method": "zscore"}), 0.003),
+}
 POLICIES = {"none": {"max_retries": 0}, "ballast": {}}
 
 
@@ -482,6 +567,7 @@ SETS: dict[str, dict[str, tuple[dict[str, Any], float]]] = {
     "2026-12-06b": SCENARIOS_2026_12_06B, "2026-12-06c": SCENARIOS_2026_12_06C, "2026-12-06d": SCENARIOS_2026_12_06D,
     "2026-12-06e": SCENARIOS_2026_12_06E, "2026-12-06f": SCENARIOS_2026_12_06F, "2026-12-06g": SCENARIOS_2026_12_06G,
     "2026-12-07": SCENARIOS_2026_12_07, "2026-12-07b": SCENARIOS_2026_12_07B, "2026-12-07c": SCENARIOS_2026_12_07C,
+    "2026-12-07d": SCENARIOS_2026_12_07D, "2026-12-07e": SCENARIOS_2026_12_07E,
 }
 """Every set by name (``--set NAME``); the first (``SCENARIOS``) also runs when no name is given."""
 

@@ -178,7 +178,8 @@ def test_fresh_scenarios_are_valid_recipes_and_their_references_only_lower_the_l
         assert "recovery" not in doc and not doc["faults"], name  # the policy's defaults; no injected fault
 
 
-@pytest.mark.parametrize("fresh_set", ["2026-12-05", "2026-12-06", "2026-12-06b", "2026-12-06c", "2026-12-07c"])
+@pytest.mark.parametrize("fresh_set", ["2026-12-05", "2026-12-06", "2026-12-06b", "2026-12-06c", "2026-12-07c",
+                                       "2026-12-07d", "2026-12-07e"])
 def test_the_later_fresh_sets_change_one_thing_for_their_references(fresh_set: str) -> None:
     """Each reference lowers the LR, or drops the injected fault; a control is its own reference. A scenario on
     your own code names the modules it imports, and only those are admitted."""
