@@ -1,6 +1,7 @@
-"""Models and datasets written as a user writes them, for the fresh scenarios on your own code (``fresh.py``,
-``--set 2026-12-07c``): plain ``nn.Module`` classes with no Ballast attributes, ``TensorDataset`` and dict-item
-``Dataset`` factories, each seeded. Recipes name them by import string (``benchmarks.divergence.user_code:...``)."""
+"""Models and data written as a user writes them, for the fresh scenarios on your own code (``fresh.py``, ``--set
+2026-12-07c``, ``2026-12-07d``, ``2026-12-07e``): plain ``nn.Module`` classes with no Ballast attributes,
+``TensorDataset``, dict-item and lazily made ``Dataset`` factories and ``custom`` batch factories, each seeded.
+Recipes name them by import string (``benchmarks.divergence.user_code:...``)."""
 
 from __future__ import annotations
 

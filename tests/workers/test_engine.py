@@ -428,8 +428,8 @@ def test_the_stall_clock_counts_from_the_last_improvement_that_counted(tmp_path:
 
 def test_restarts_of_a_stalled_lineage_at_the_same_settings_never_end_it_healthy(tmp_path: Path) -> None:
     """The baseline's answer to a stall (Ray's FailureConfig): resume from the newest checkpoint with the same
-    settings. While it runs each resume gets a window of its own, so the last one, too close to the end to be
-    judged while it runs, reaches max_steps, creeping lower as the cosine decays the LR. The lineage stood still
+    settings. While it runs each resume gets a window of its own, so the last one, too close to the end for a
+    window or creeping just fast enough, reaches max_steps, lower as the cosine decays the LR. The lineage stood still
     for more than a window far from its floor, and the checkpoints carry that, so its end is stalled, not healthy
     (the benchmark's dev-warmup-plateau ended SUCCEEDED at 1.96x its reference this way)."""
     recipe = make_recipe(**{**PLATEAU, "checkpoint": {"every_steps": 25}})
@@ -443,7 +443,7 @@ def test_restarts_of_a_stalled_lineage_at_the_same_settings_never_end_it_healthy
         newest = max(res.checkpoints, key=lambda c: c.step).path if res.checkpoints else newest
     assert all(e.detector == "stalled" for e in ends), [e.reason for e in ends]
     last = ends[-1]
-    assert last.final_step == 180 and last.start_step > 180 - 40  # judged only at its end
+    assert last.final_step == 180  # judged at its end (where it resumed depends on the CPU's kernels)
     assert "once improved by less than 1% of the way to the floor for" in last.reason, last.reason
     [anomaly] = [a for a in sink.of_type("anomaly") if a["detector"] == "verdict"]
     assert anomaly["kind"] == "stalled" and anomaly["value"] > anomaly["threshold"]  # short of 75% of the way
