@@ -79,7 +79,7 @@ from workers.verdict import (
     collapse_window,
     early_check_step,
     final_loss,
-    final_sem,
+    final_stats,
     judge_collapse,
     judge_end,
     judge_progress,
@@ -490,10 +490,10 @@ class GuardedTrainer:
     # --------------------------------------------------------------------------------------- verdict
     def _evidence(self) -> Evidence:
         summary = self.detectors.loss_summary()
-        res, window = self.result, self.recipe.success.window
+        final, sem = final_stats(self.result.losses, self.recipe.success.window, start_step=self.start_step,
+                                 skipped=self.result.skipped_steps)
         return Evidence(
-            final_loss=final_loss(res.losses, window, start_step=self.start_step, skipped=res.skipped_steps),
-            final_sem=final_sem(res.losses, window, start_step=self.start_step, skipped=res.skipped_steps),
+            final_loss=final, final_sem=sem,
             best_loss=summary.best, best_step=summary.best_step, initial_loss=summary.initial,
             loss_floor=self._loss_floor, trivial_loss=self._trivial_loss(), noise_std=summary.noise_std,
             vanishing=any(f["kind"] == "vanishing_gradients" for f in self.result.findings),

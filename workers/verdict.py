@@ -170,23 +170,21 @@ def final_loss(
     The steps in ``skipped`` are left out: their updates were discarded (a batch the grad-norm or loss detector
     judged abnormal), so their loss is the batch's, not the model's, and one poisoned batch near the end would
     otherwise make a healthy end look degraded."""
-    tail = _final_window(losses, window, start_step, skipped)
-    return sum(tail) / len(tail) if tail else None
+    return final_stats(losses, window, start_step=start_step, skipped=skipped)[0]
 
 
-def final_sem(
+def final_stats(
     losses: Sequence[float], window: int, *, start_step: int = 0, skipped: Collection[int] = ()
-) -> float:
-    """The standard error of ``final_loss`` over the same losses (0 with fewer than two): how far below a figure
-    the final loss may sit by chance alone."""
-    tail = _final_window(losses, window, start_step, skipped)
-    return statistics.stdev(tail) / math.sqrt(len(tail)) if len(tail) > 1 else 0.0
-
-
-def _final_window(losses: Sequence[float], window: int, start_step: int, skipped: Collection[int]) -> list[float]:
+) -> tuple[float | None, float]:
+    """``final_loss`` and its standard error over the same losses, in one pass (the error is 0 with fewer than two
+    losses): how far below a figure the final loss may sit by chance alone."""
     skip = set(skipped)
     finite = [x for i, x in enumerate(losses) if math.isfinite(x) and start_step + i not in skip]
-    return finite[-window:]
+    tail = finite[-window:]
+    if not tail:
+        return None, 0.0
+    sem = statistics.stdev(tail) / math.sqrt(len(tail)) if len(tail) > 1 else 0.0
+    return sum(tail) / len(tail), sem
 
 
 def progress(value: float, initial: float | None, floor: float | None) -> float | None:

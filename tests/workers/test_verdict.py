@@ -27,7 +27,7 @@ from workers.verdict import (
     collapse_window,
     early_check_step,
     final_loss,
-    final_sem,
+    final_stats,
     judge_collapse,
     judge_end,
     judge_eval,
@@ -123,8 +123,9 @@ def test_a_loss_below_ignoring_the_inputs_by_less_than_the_noise_says_so() -> No
 def test_the_final_losss_standard_error_is_over_the_same_losses_as_the_final_loss() -> None:
     losses = [9.0, float("nan"), 1.0, 3.0, 100.0, 5.0]  # step 104 skipped; NaN left out
     assert final_loss(losses, 3, start_step=100, skipped=[104]) == pytest.approx(3.0)
-    assert final_sem(losses, 3, start_step=100, skipped=[104]) == pytest.approx(2.0 / math.sqrt(3))
-    assert final_sem([1.0], 20) == 0.0 and final_sem([], 20) == 0.0
+    final, sem = final_stats(losses, 3, start_step=100, skipped=[104])
+    assert final == pytest.approx(3.0) and sem == pytest.approx(2.0 / math.sqrt(3))
+    assert final_stats([1.0], 20) == (1.0, 0.0) and final_stats([], 20) == (None, 0.0)
 
 
 def test_the_reason_names_the_way_it_measured() -> None:
